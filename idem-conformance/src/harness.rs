@@ -33,6 +33,17 @@ impl TimeControl {
         }
     }
 
+    /// Lets exactly `d` pass, without slack: for waits that must stay shorter than a lease.
+    pub async fn pass_exact(&self, d: Duration) {
+        match self {
+            Self::Real { .. } => tokio::time::sleep(d).await,
+            Self::Manual(clock) => {
+                clock.advance(d);
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+
     /// Whether time is manual (no sleeping).
     pub fn is_manual(&self) -> bool {
         matches!(self, Self::Manual(_))
