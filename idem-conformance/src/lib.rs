@@ -10,13 +10,20 @@
 //! In your crate's `tests/conformance.rs` (with `tokio` and `idem-conformance` as
 //! dev-dependencies):
 //!
-//! ```ignore
-//! async fn harness() -> idem_conformance::Harness {
-//!     let store = std::sync::Arc::new(MyStore::connect("...").await.unwrap());
-//!     idem_conformance::Harness::new(store, idem_conformance::Config::real_time())
-//!         .with_unreachable(|| async { Ok(std::sync::Arc::new(MyStore::connect("127.0.0.1:1").await?) as _) })
+//! ```no_run
+//! use std::sync::Arc;
+//! use idem_conformance::{Config, Harness};
+//! use idem_core::{DynStore, MemoryStore};
+//! # type MyStore = MemoryStore;
+//! # async fn connect(_url: &str) -> idem_core::Result<MyStore> { Ok(MemoryStore::new()) }
+//!
+//! async fn harness() -> Harness {
+//!     let store: DynStore = Arc::new(connect("my://127.0.0.1:4000").await.unwrap());
+//!     Harness::new(store, Config::real_time())
+//!         .with_unreachable(|| async { Ok(Arc::new(connect("my://127.0.0.1:1").await?) as DynStore) })
 //! }
 //! idem_conformance::conformance_tests!(harness);
+//! # fn main() {}
 //! ```
 //!
 //! That expands to one `#[tokio::test]` per scenario (`c01_fresh_acquire`,

@@ -103,8 +103,14 @@ fn assert_lease_lost<T: Debug>(
             current: c,
             ..
         }) => {
-            assert_eq!(p, presented, "{what}: LeaseLost should name the presented token");
-            assert_eq!(c, current, "{what}: LeaseLost should name the current token");
+            assert_eq!(
+                p, presented,
+                "{what}: LeaseLost should name the presented token"
+            );
+            assert_eq!(
+                c, current,
+                "{what}: LeaseLost should name the current token"
+            );
         }
         other => panic!("{what} with a stale token should be LeaseLost, got {other:?}"),
     }
@@ -128,11 +134,17 @@ pub async fn c01_fresh_acquire(h: &Harness) {
     assert_eq!(lease.key, key);
     let record = must_get(h, &key).await;
     assert_eq!(record.state, RecordState::InProgress, "C01: {record:?}");
-    assert_eq!(record.token, lease.token, "C01: record carries the lease's token");
+    assert_eq!(
+        record.token, lease.token,
+        "C01: record carries the lease's token"
+    );
     assert_eq!(record.attempts, 1);
     assert_eq!(record.owner, A);
     assert_eq!(record.fingerprint, Some(payload_fp()));
-    assert_eq!(record.expires_at, None, "C01: no retention while in progress");
+    assert_eq!(
+        record.expires_at, None,
+        "C01: no retention while in progress"
+    );
     let lease_end = record.lease_expires_at.expect("C01: lease expiry recorded");
     assert!(
         close(lease_end, lease.expires_at, TIME_TOLERANCE),
@@ -349,7 +361,9 @@ pub async fn c07_zombie_fenced(h: &Harness) {
     assert_unchanged("C07: a refused extend", &before, &get(h, &key).await);
     assert_lease_lost(
         "C07 complete",
-        store.complete(&a, Bytes::from_static(b"zombie"), retention).await,
+        store
+            .complete(&a, Bytes::from_static(b"zombie"), retention)
+            .await,
         a.token,
         current,
     );
@@ -368,7 +382,9 @@ pub async fn c07_zombie_fenced(h: &Harness) {
     complete(h, &b, "rightful").await;
     assert_lease_lost(
         "C07 complete after the holder completed",
-        store.complete(&a, Bytes::from_static(b"zombie"), retention).await,
+        store
+            .complete(&a, Bytes::from_static(b"zombie"), retention)
+            .await,
         a.token,
         current,
     );
@@ -393,8 +409,14 @@ pub async fn c08_heartbeat_keeps_lease(h: &Harness) {
             .extend(&lease, ttl)
             .await
             .unwrap_or_else(|e| panic!("C08: heartbeat {beat} failed: {e:?}"));
-        assert_eq!(extended.token, lease.token, "C08: a heartbeat keeps the token");
-        assert!(extended.expires_at >= lease.expires_at, "C08: never shortens");
+        assert_eq!(
+            extended.token, lease.token,
+            "C08: a heartbeat keeps the token"
+        );
+        assert!(
+            extended.expires_at >= lease.expires_at,
+            "C08: never shortens"
+        );
         lease = extended;
     }
     assert!(
@@ -428,7 +450,10 @@ pub async fn c09_retryable_failure_reacquires(h: &Harness) {
     );
     assert_eq!(record.attempts, 1);
     let (b, takeover) = acquired(h, &request(h, &key, B)).await;
-    assert!(!takeover, "C09: re-acquiring a failed key is not a takeover");
+    assert!(
+        !takeover,
+        "C09: re-acquiring a failed key is not a takeover"
+    );
     assert_eq!(b.attempt, 2, "C09: the retry is attempt 2");
     assert!(b.token > a.token, "C09: a retry gets a higher token");
 }
@@ -503,7 +528,10 @@ pub async fn c12_release_does_not_count(h: &Harness) {
     assert_eq!(record.state, RecordState::Released, "C12: {record:?}");
     assert_eq!(record.attempts, 0, "C12: a released attempt is not counted");
     let (b, takeover) = acquired(h, &req(B)).await;
-    assert!(!takeover, "C12: re-acquiring a released key is not a takeover");
+    assert!(
+        !takeover,
+        "C12: re-acquiring a released key is not a takeover"
+    );
     assert_eq!(b.attempt, 1, "C12: the released attempt was not counted");
     assert!(b.token > a.token, "C12: a higher token after release");
     assert_lease_lost(
@@ -540,7 +568,11 @@ pub async fn c13_retention_expiry(h: &Harness) {
         }
         assert!(get(h, &key).await.is_some(), "C13: kept until retention");
         h.config().time.pass(retention).await;
-        assert_eq!(get(h, &key).await, None, "C13: {id} past retention reads absent");
+        assert_eq!(
+            get(h, &key).await,
+            None,
+            "C13: {id} past retention reads absent"
+        );
         let (b, takeover) = acquired(h, &request(h, &key, B)).await;
         assert!(!takeover);
         assert_eq!(b.attempt, 1, "C13: a fresh acquire after retention");
@@ -560,12 +592,21 @@ pub async fn c14_operator_delete(h: &Harness) {
     let key = h.key(&ns, "delete");
     let (a, _) = acquired(h, &request(h, &key, A)).await;
     complete(h, &a, "x").await;
-    assert!(h.store().delete(&key).await.expect("delete"), "C14: deleted");
+    assert!(
+        h.store().delete(&key).await.expect("delete"),
+        "C14: deleted"
+    );
     assert_eq!(get(h, &key).await, None);
-    assert!(!h.store().delete(&key).await.expect("delete"), "C14: nothing left");
+    assert!(
+        !h.store().delete(&key).await.expect("delete"),
+        "C14: nothing left"
+    );
     let (b, _) = acquired(h, &request(h, &key, B)).await;
     assert_eq!(b.attempt, 1);
-    assert!(b.token > a.token, "C14: tokens stay increasing after delete");
+    assert!(
+        b.token > a.token,
+        "C14: tokens stay increasing after delete"
+    );
     // Deleting an in-progress record fences its holder out.
     assert!(h.store().delete(&key).await.expect("delete"));
     assert_lease_lost(
@@ -576,7 +617,11 @@ pub async fn c14_operator_delete(h: &Harness) {
         b.token,
         None,
     );
-    assert_eq!(get(h, &key).await, None, "C14: a refused complete writes nothing");
+    assert_eq!(
+        get(h, &key).await,
+        None,
+        "C14: a refused complete writes nothing"
+    );
     let (c, _) = acquired(h, &request(h, &key, C)).await;
     assert!(c.token > b.token);
 }
@@ -597,7 +642,10 @@ pub async fn c15_namespaces_isolated(h: &Harness) {
         }
     }
     assert!(h.store().delete(&k1).await.expect("delete"));
-    assert!(get(h, &k2).await.is_some(), "C15: a delete stays in its namespace");
+    assert!(
+        get(h, &k2).await.is_some(),
+        "C15: a delete stays in its namespace"
+    );
 }
 
 #[track_caller]
@@ -612,19 +660,30 @@ fn assert_invalid<T: Debug>(what: &str, r: Result<T>, field: &str) {
 pub async fn c16_bad_input_rejected(h: &Harness) {
     let ns = h.namespace();
     assert_invalid("C16 empty key", ns.key(""), "key");
-    assert_invalid("C16 oversized key", ns.key("k".repeat(MAX_ID_LEN + 1)), "key");
+    assert_invalid(
+        "C16 oversized key",
+        ns.key("k".repeat(MAX_ID_LEN + 1)),
+        "key",
+    );
     let store = h.store();
     let key = h.key(&ns, "bad-input");
 
     let bad_requests = [
         (request(h, &key, ""), "owner"),
         (request(h, &key, &"o".repeat(1024)), "owner"),
-        (request(h, &key, A).with_lease_ttl(Duration::ZERO), "lease_ttl"),
+        (
+            request(h, &key, A).with_lease_ttl(Duration::ZERO),
+            "lease_ttl",
+        ),
         (request(h, &key, A).with_max_attempts(0), "max_attempts"),
     ];
     for (req, field) in bad_requests {
         assert_invalid("C16 acquire", store.acquire(&req).await, field);
-        assert_eq!(get(h, &key).await, None, "C16: a rejected acquire writes nothing");
+        assert_eq!(
+            get(h, &key).await,
+            None,
+            "C16: a rejected acquire writes nothing"
+        );
     }
 
     let (lease, _) = acquired(h, &request(h, &key, A)).await;
@@ -633,7 +692,10 @@ pub async fn c16_bad_input_rejected(h: &Harness) {
     let too_big = Bytes::from(vec![b'x'; limits.max_result_len + 1]);
     match store.complete(&lease, too_big, h.config().retention).await {
         Err(Error::ResultTooLarge { len, max }) => {
-            assert_eq!((len, max), (limits.max_result_len + 1, limits.max_result_len));
+            assert_eq!(
+                (len, max),
+                (limits.max_result_len + 1, limits.max_result_len)
+            );
         }
         other => panic!("C16: an oversized result should be ResultTooLarge, got {other:?}"),
     }
@@ -641,7 +703,9 @@ pub async fn c16_bad_input_rejected(h: &Harness) {
     let long_error = "e".repeat(limits.max_error_len + 1);
     assert_invalid(
         "C16 oversized error",
-        store.fail(&lease, &long_error, true, h.config().retention).await,
+        store
+            .fail(&lease, &long_error, true, h.config().retention)
+            .await,
         "error",
     );
     assert_unchanged("C16: an oversized error", &before, &get(h, &key).await);
@@ -769,7 +833,10 @@ pub async fn c18_get_shows_record(h: &Harness) {
     let r1 = must_get(h, &key).await;
     assert_eq!(r1.key, key);
     assert_eq!(r1.state, RecordState::InProgress);
-    assert_eq!((r1.attempts, r1.token, r1.owner.as_str()), (1, lease.token, A));
+    assert_eq!(
+        (r1.attempts, r1.token, r1.owner.as_str()),
+        (1, lease.token, A)
+    );
     assert!(
         close(r1.created_at, r1.updated_at, TIME_TOLERANCE),
         "C18: {r1:?}"
@@ -792,7 +859,10 @@ pub async fn c18_get_shows_record(h: &Harness) {
     h.config().time.pass_exact(Duration::from_millis(20)).await;
     let extended = h.store().extend(&lease, lease_ttl).await.expect("extend");
     let r2 = must_get(h, &key).await;
-    assert!(r2.updated_at > r1.updated_at, "C18: extend moves updated_at");
+    assert!(
+        r2.updated_at > r1.updated_at,
+        "C18: extend moves updated_at"
+    );
     assert!(r2.lease_expires_at > r1.lease_expires_at);
     assert!(close(
         r2.lease_expires_at.expect("lease end"),
@@ -820,7 +890,10 @@ pub async fn c18_get_shows_record(h: &Harness) {
         ),
         "C18: retention runs from completion: {r3:?}"
     );
-    assert_eq!((r3.attempts, r3.token, r3.owner.as_str()), (1, lease.token, A));
+    assert_eq!(
+        (r3.attempts, r3.token, r3.owner.as_str()),
+        (1, lease.token, A)
+    );
 }
 
 /// C19: many workers, duplicated deliveries, random crashes and stalls past the lease, checked
@@ -910,7 +983,9 @@ pub async fn c19_chaos_ledger(h: &Harness) {
                         }
                         AcquireOutcome::InProgress { retry_after, .. } => {
                             requeue(k);
-                            cfg.time.pass_exact(retry_after.min(cfg.lease_ttl / 4)).await;
+                            cfg.time
+                                .pass_exact(retry_after.min(cfg.lease_ttl / 4))
+                                .await;
                         }
                         other => panic!("C19: unexpected outcome {other:?}"),
                     }
@@ -932,10 +1007,16 @@ pub async fn c19_chaos_ledger(h: &Harness) {
     let winners = winners.lock().expect("winners").clone();
     for (k, key) in keys.iter().enumerate() {
         let n = completions[k].load(Ordering::SeqCst);
-        assert_eq!(n, 1, "C19: {key} completed {n} times; exactly one is allowed");
+        assert_eq!(
+            n, 1,
+            "C19: {key} completed {n} times; exactly one is allowed"
+        );
         let winner = winners[&k];
         let record = must_get(h, key).await;
-        assert_eq!(record.token, winner, "C19: the completing token stands on {key}");
+        assert_eq!(
+            record.token, winner,
+            "C19: the completing token stands on {key}"
+        );
         let entry = ledger
             .entry(key.id())
             .unwrap_or_else(|| panic!("C19: no ledger write for {key}"));
@@ -995,7 +1076,9 @@ pub async fn c20_unreachable_store(h: &Harness) {
     };
     match tokio::time::timeout(within, read).await {
         Ok(Err(Error::Unavailable { .. })) => {}
-        Ok(other) => panic!("C20: get on an unreachable store should be Unavailable, got {other:?}"),
+        Ok(other) => {
+            panic!("C20: get on an unreachable store should be Unavailable, got {other:?}")
+        }
         Err(_) => panic!("C20: get gave no answer within {within:?}"),
     }
 }

@@ -63,12 +63,24 @@ impl FlawedStore {
         match (self.bug, decision, existing) {
             (
                 Bug::TakeoverKeepsToken,
-                AcquireDecision::Write(mut record, AcquireOutcome::Acquired { mut lease, takeover: true }),
+                AcquireDecision::Write(
+                    mut record,
+                    AcquireOutcome::Acquired {
+                        mut lease,
+                        takeover: true,
+                    },
+                ),
                 Some(old),
             ) => {
                 record.token = old.token;
                 lease.token = old.token;
-                AcquireDecision::Write(record, AcquireOutcome::Acquired { lease, takeover: true })
+                AcquireDecision::Write(
+                    record,
+                    AcquireOutcome::Acquired {
+                        lease,
+                        takeover: true,
+                    },
+                )
             }
             (_, decision, _) => decision,
         }
@@ -121,11 +133,19 @@ impl IdempotencyStore for FlawedStore {
         self.fenced(lease, |r| machine::complete(r, result, retention, now))
     }
 
-    async fn fail(&self, lease: &Lease, error: &str, retryable: bool, retention: Duration) -> Result<()> {
+    async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        retryable: bool,
+        retention: Duration,
+    ) -> Result<()> {
         idem_core::check_retention(retention)?;
         self.limits().check_error(error)?;
         let now = self.clock.now();
-        self.fenced(lease, |r| machine::fail(r, error, retryable, retention, now))
+        self.fenced(lease, |r| {
+            machine::fail(r, error, retryable, retention, now)
+        })
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
@@ -184,7 +204,10 @@ type Scenario = fn(&Harness) -> BoxFuture<'_, ()>;
 
 macro_rules! scenario {
     ($name:ident) => {
-        (stringify!($name), (|h| Box::pin(scenarios::$name(h))) as Scenario)
+        (
+            stringify!($name),
+            (|h| Box::pin(scenarios::$name(h))) as Scenario,
+        )
     };
 }
 
@@ -199,7 +222,10 @@ async fn passes(bug: Bug, scenario: Scenario) -> bool {
 
 async fn check(bug: Bug, guarding: &[(&str, Scenario)]) {
     for (name, scenario) in guarding {
-        assert!(passes(Bug::None, *scenario).await, "control: {name} must pass without a bug");
+        assert!(
+            passes(Bug::None, *scenario).await,
+            "control: {name} must pass without a bug"
+        );
         assert!(!passes(bug, *scenario).await, "{name} must catch {bug:?}");
     }
 }
@@ -208,7 +234,10 @@ async fn check(bug: Bug, guarding: &[(&str, Scenario)]) {
 async fn completion_without_token_check_is_caught() {
     check(
         Bug::CompleteSkipsTokenCheck,
-        &[scenario!(c07_zombie_fenced), scenario!(c12_release_does_not_count)],
+        &[
+            scenario!(c07_zombie_fenced),
+            scenario!(c12_release_does_not_count),
+        ],
     )
     .await;
 }
@@ -220,7 +249,11 @@ async fn non_atomic_acquire_is_caught() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn acquire_ignoring_fingerprint_is_caught() {
-    check(Bug::IgnoresFingerprint, &[scenario!(c04_conflict_in_every_state)]).await;
+    check(
+        Bug::IgnoresFingerprint,
+        &[scenario!(c04_conflict_in_every_state)],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -258,6 +291,9 @@ async fn control_store_passes_every_scenario() {
         scenario!(c20_unreachable_store),
     ];
     for (name, scenario) in all {
-        assert!(passes(Bug::None, scenario).await, "control store fails {name}");
+        assert!(
+            passes(Bug::None, scenario).await,
+            "control store fails {name}"
+        );
     }
 }

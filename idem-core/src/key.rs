@@ -148,7 +148,14 @@ mod tests {
     #[test]
     fn namespace_rules() {
         assert!(Namespace::new("orders.v1_payments-2").is_ok());
-        for bad in ["", "a:b", "a b", "ä", "{x}", &"n".repeat(MAX_NAMESPACE_LEN + 1)] {
+        for bad in [
+            "",
+            "a:b",
+            "a b",
+            "ä",
+            "{x}",
+            &"n".repeat(MAX_NAMESPACE_LEN + 1),
+        ] {
             let r = Namespace::new(bad);
             assert!(
                 matches!(

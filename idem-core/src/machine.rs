@@ -14,6 +14,7 @@ use crate::record::{AcquireOutcome, AcquireRequest, FencingToken, Lease, Record,
 /// What an acquire decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
+#[allow(clippy::large_enum_variant)] // a short-lived return value; boxing would cost an allocation
 pub enum AcquireDecision {
     /// Store this record (new or replacing the old one) and return the outcome.
     Write(Record, AcquireOutcome),

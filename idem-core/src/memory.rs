@@ -101,7 +101,10 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &IdempotencyKey) -> Result<MutexGuard<'_, HashMap<IdempotencyKey, Record>>> {
+    fn shard(
+        &self,
+        key: &IdempotencyKey,
+    ) -> Result<MutexGuard<'_, HashMap<IdempotencyKey, Record>>> {
         if !self.inner.available.load(Ordering::SeqCst) {
             return Err(Error::unavailable("memory", SimulatedOutage));
         }
@@ -117,7 +120,11 @@ impl MemoryStore {
         FencingToken::new(self.inner.tokens.fetch_add(1, Ordering::SeqCst) + 1)
     }
 
-    fn fenced<T>(&self, lease: &Lease, apply: impl FnOnce(&mut Record, SystemTime) -> T) -> Result<T> {
+    fn fenced<T>(
+        &self,
+        lease: &Lease,
+        apply: impl FnOnce(&mut Record, SystemTime) -> T,
+    ) -> Result<T> {
         let mut shard = self.shard(&lease.key)?;
         let now = self.now();
         let record = machine::check_fence(shard.get_mut(&lease.key), lease, now)?;
@@ -156,7 +163,9 @@ impl IdempotencyStore for MemoryStore {
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease> {
         check_lease_ttl(ttl)?;
-        self.fenced(lease, |record, now| machine::extend(record, lease, ttl, now))
+        self.fenced(lease, |record, now| {
+            machine::extend(record, lease, ttl, now)
+        })
     }
 
     async fn complete(&self, lease: &Lease, result: Bytes, retention: Duration) -> Result<()> {
@@ -182,7 +191,7 @@ impl IdempotencyStore for MemoryStore {
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
-        self.fenced(lease, |record, now| machine::release(record, now))
+        self.fenced(lease, machine::release)
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>> {

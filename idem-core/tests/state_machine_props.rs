@@ -98,7 +98,9 @@ impl Model {
         Self {
             store: MemoryStore::with_clock(clock.clone()),
             clock,
-            keys: (0..KEYS).map(|k| ns.key(format!("k{k}")).unwrap()).collect(),
+            keys: (0..KEYS)
+                .map(|k| ns.key(format!("k{k}")).unwrap())
+                .collect(),
             leases: HashMap::new(),
             highest_token: HashMap::new(),
             completed: HashMap::new(),
@@ -125,9 +127,7 @@ impl Model {
                     .await
             }
             Op::Fail { retryable, .. } => {
-                self.store
-                    .fail(&lease, "boom", *retryable, RETENTION)
-                    .await
+                self.store.fail(&lease, "boom", *retryable, RETENTION).await
             }
             Op::Release { .. } => self.store.release(&lease).await,
             _ => unreachable!("only fenced operations come here"),

@@ -1,1 +1,3 @@
-//! x
+#![doc = include_str!("../../README.md")]
+
+pub use idem_core::*;
