@@ -9,6 +9,7 @@
 # not bring its server up. Logs and pid files go under $IDEM_RUN_DIR (default /tmp/idem-services);
 # downloads are cached under $IDEM_CACHE_DIR (default ~/.cache/idem).
 set -euo pipefail
+shopt -s nullglob
 here=$(cd "$(dirname "$0")" && pwd)
 export IDEM_RUN_DIR=${IDEM_RUN_DIR:-/tmp/idem-services}
 export IDEM_CACHE_DIR=${IDEM_CACHE_DIR:-$HOME/.cache/idem}
