@@ -1,3 +1,7 @@
 #![doc = include_str!("../../README.md")]
 
 pub use idem_core::*;
+
+/// The Redis store: one Lua script per transition, standalone and Redis Cluster.
+#[cfg(feature = "redis")]
+pub use idem_redis as redis;

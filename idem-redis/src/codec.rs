@@ -1,0 +1,377 @@
+//! Storage keys, and decoding of script replies and stored hashes.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use idem_core::{
+    AcquireOutcome, Error, FencingToken, Fingerprint, IdempotencyKey, Lease, Record, RecordState,
+};
+use redis::Value;
+
+use crate::conn::STORE;
+
+/// `{prefix}{namespace}:{id}`. Namespaces hold only `[A-Za-z0-9._-]`, so the first `:` after the
+/// prefix always ends the namespace and two different keys never share a storage key.
+pub(crate) fn storage_key(prefix: &str, key: &IdempotencyKey) -> Vec<u8> {
+    let ns = key.namespace().as_str();
+    let id = key.id();
+    let mut out = Vec::with_capacity(prefix.len() + ns.len() + 1 + id.len());
+    out.extend_from_slice(prefix.as_bytes());
+    out.extend_from_slice(ns.as_bytes());
+    out.push(b':');
+    out.extend_from_slice(id.as_bytes());
+    out
+}
+
+/// Whole milliseconds of a duration, as the scripts take them (validated durations are >= 1 ms).
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A decoding failure, turned into [`Error::CorruptRecord`] by the caller that knows the key.
+#[derive(Debug)]
+pub(crate) struct Bad(pub(crate) String);
+
+fn bad(reason: impl Into<String>) -> Bad {
+    Bad(reason.into())
+}
+
+pub(crate) fn corrupt(storage_key: &[u8], Bad(reason): Bad) -> Error {
+    Error::corrupt(STORE, String::from_utf8_lossy(storage_key), reason)
+}
+
+fn int(v: &Value) -> Result<i64, Bad> {
+    match v {
+        Value::Int(i) => Ok(*i),
+        Value::BulkString(b) => parse_int(b),
+        Value::SimpleString(s) => parse_int(s.as_bytes()),
+        other => Err(bad(format!("expected an integer, got {other:?}"))),
+    }
+}
+
+fn parse_int(b: &[u8]) -> Result<i64, Bad> {
+    std::str::from_utf8(b)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad(format!("not an integer: {:?}", String::from_utf8_lossy(b))))
+}
+
+fn uint<T: TryFrom<i64>>(v: &Value, what: &str) -> Result<T, Bad> {
+    let i = int(v)?;
+    T::try_from(i).map_err(|_| bad(format!("{what} out of range: {i}")))
+}
+
+fn bytes(v: &Value) -> Result<Vec<u8>, Bad> {
+    match v {
+        Value::BulkString(b) => Ok(b.clone()),
+        Value::SimpleString(s) => Ok(s.clone().into_bytes()),
+        Value::Int(i) => Ok(i.to_string().into_bytes()),
+        other => Err(bad(format!("expected a string, got {other:?}"))),
+    }
+}
+
+fn text(v: &Value, what: &str) -> Result<String, Bad> {
+    String::from_utf8(bytes(v)?).map_err(|_| bad(format!("{what} is not UTF-8")))
+}
+
+fn array(v: &Value) -> Result<&[Value], Bad> {
+    match v {
+        Value::Array(items) => Ok(items),
+        other => Err(bad(format!("expected an array, got {other:?}"))),
+    }
+}
+
+fn at(items: &[Value], i: usize) -> Result<&Value, Bad> {
+    items.get(i).ok_or_else(|| {
+        bad(format!(
+            "reply has {} elements, wanted index {i}",
+            items.len()
+        ))
+    })
+}
+
+/// Milliseconds since the Unix epoch as a time.
+fn time(ms: i64) -> Result<SystemTime, Bad> {
+    u64::try_from(ms)
+        .map(|ms| UNIX_EPOCH + Duration::from_millis(ms))
+        .map_err(|_| bad(format!("time before the epoch: {ms} ms")))
+}
+
+/// Decodes the reply of `acquire.lua` (see the reply table at the top of that script).
+pub(crate) fn acquire_outcome(
+    reply: &Value,
+    key: &IdempotencyKey,
+    owner: &str,
+) -> Result<AcquireOutcome, Bad> {
+    let items = array(reply)?;
+    Ok(match int(at(items, 0)?)? {
+        0 => AcquireOutcome::Acquired {
+            lease: Lease {
+                key: key.clone(),
+                owner: owner.to_owned(),
+                token: FencingToken::new(uint(at(items, 1)?, "token")?),
+                attempt: uint(at(items, 2)?, "attempt")?,
+                expires_at: time(int(at(items, 3)?)?)?,
+            },
+            takeover: int(at(items, 4)?)? == 1,
+        },
+        1 => AcquireOutcome::InProgress {
+            owner: text(at(items, 1)?, "owner")?,
+            retry_after: Duration::from_millis(uint(at(items, 2)?, "retry_after")?),
+        },
+        2 => AcquireOutcome::Replayed {
+            result: Bytes::from(bytes(at(items, 1)?)?),
+        },
+        3 => AcquireOutcome::Conflict,
+        4 => AcquireOutcome::Exhausted {
+            attempts: uint(at(items, 1)?, "attempts")?,
+            last_error: match int(at(items, 2)?)? {
+                1 => Some(text(at(items, 3)?, "error")?),
+                _ => None,
+            },
+        },
+        5 => AcquireOutcome::Failed {
+            error: text(at(items, 1)?, "error")?,
+        },
+        kind => return Err(bad(format!("unknown acquire reply kind {kind}"))),
+    })
+}
+
+/// What a fenced script (`extend`, `complete`, `fail`, `release`) answered.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Fenced {
+    /// The transition was applied; `extend` also returns the new lease end (ms).
+    Applied(Option<i64>),
+    /// The lease is not current; the record's token, if there is a record.
+    Lost(Option<FencingToken>),
+}
+
+pub(crate) fn fenced(reply: &Value) -> Result<Fenced, Bad> {
+    let items = array(reply)?;
+    match int(at(items, 0)?)? {
+        1 => Ok(Fenced::Applied(items.get(1).map(int).transpose()?)),
+        0 => {
+            let current = int(at(items, 1)?)?;
+            Ok(Fenced::Lost(if current < 0 {
+                None
+            } else {
+                Some(FencingToken::new(uint(at(items, 1)?, "token")?))
+            }))
+        }
+        kind => Err(bad(format!("unknown transition reply kind {kind}"))),
+    }
+}
+
+/// Lease end in ms from an applied `extend`.
+pub(crate) fn lease_end(ms: Option<i64>) -> Result<SystemTime, Bad> {
+    time(ms.ok_or_else(|| bad("extend reply without the lease end"))?)
+}
+
+/// Decodes the reply of `get.lua`: nil, or `{now, expires_at or -1, {field, value, ...}}`.
+pub(crate) fn record(reply: &Value, key: &IdempotencyKey) -> Result<Option<Record>, Bad> {
+    let items = match reply {
+        Value::Nil => return Ok(None),
+        other => array(other)?,
+    };
+    let expires_at = match int(at(items, 1)?)? {
+        ms if ms >= 0 => Some(time(ms)?),
+        _ => None,
+    };
+    let fields = array(at(items, 2)?)?;
+    if fields.is_empty() {
+        return Ok(None);
+    }
+    let mut hash = Hash::default();
+    for pair in fields.chunks(2) {
+        let [name, value] = pair else {
+            return Err(bad("odd number of hash elements"));
+        };
+        let name = bytes(name)?;
+        let slot = match name.as_slice() {
+            b"t" => &mut hash.t,
+            b"s" => &mut hash.s,
+            b"o" => &mut hash.o,
+            b"f" => &mut hash.f,
+            b"c" => &mut hash.c,
+            b"u" => &mut hash.u,
+            b"l" => &mut hash.l,
+            b"r" => &mut hash.r,
+            _ => continue,
+        };
+        *slot = Some(value);
+    }
+    hash.decode(key, expires_at).map(Some)
+}
+
+#[derive(Default)]
+struct Hash<'v> {
+    t: Option<&'v Value>,
+    s: Option<&'v Value>,
+    o: Option<&'v Value>,
+    f: Option<&'v Value>,
+    c: Option<&'v Value>,
+    u: Option<&'v Value>,
+    l: Option<&'v Value>,
+    r: Option<&'v Value>,
+}
+
+fn need<'v>(v: Option<&'v Value>, field: &str) -> Result<&'v Value, Bad> {
+    v.ok_or_else(|| bad(format!("field {field} missing")))
+}
+
+impl Hash<'_> {
+    fn decode(self, key: &IdempotencyKey, expires_at: Option<SystemTime>) -> Result<Record, Bad> {
+        let token: u64 = uint(need(self.t, "t")?, "token")?;
+        let base = i64::try_from(token / 1000).map_err(|_| bad("token out of range"))?;
+        let packed: u64 = uint(need(self.s, "s")?, "state")?;
+        let attempts = u32::try_from(packed / 10).map_err(|_| bad("attempts out of range"))?;
+        let payload = self.r.map(bytes).transpose()?.unwrap_or_default();
+        let error = || String::from_utf8(payload.clone()).map_err(|_| bad("error is not UTF-8"));
+        let state = match packed % 10 {
+            0 => RecordState::InProgress,
+            1 => RecordState::Released,
+            2 => RecordState::Completed {
+                result: Bytes::from(payload.clone()),
+            },
+            3 => RecordState::Failed {
+                error: error()?,
+                retryable: true,
+            },
+            4 => RecordState::Failed {
+                error: error()?,
+                retryable: false,
+            },
+            other => return Err(bad(format!("unknown state {other}"))),
+        };
+        let fingerprint = self
+            .f
+            .map(|v| {
+                bytes(v).and_then(|b| Fingerprint::try_from(&b[..]).map_err(|e| bad(e.to_string())))
+            })
+            .transpose()?;
+        let created_at = time(base - self.c.map(int).transpose()?.unwrap_or(0))?;
+        let updated_at = time(base + int(need(self.u, "u")?)?)?;
+        let lease_expires_at = match (&state, self.l) {
+            (RecordState::InProgress, Some(l)) => Some(time(base + int(l)?)?),
+            (RecordState::InProgress, None) => return Err(bad("in progress without a lease")),
+            _ => None,
+        };
+        Ok(Record {
+            key: key.clone(),
+            state,
+            fingerprint,
+            token: FencingToken::new(token),
+            owner: text(need(self.o, "o")?, "owner")?,
+            attempts,
+            lease_expires_at,
+            created_at,
+            updated_at,
+            expires_at,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_core::Namespace;
+
+    fn key() -> IdempotencyKey {
+        Namespace::new("ns").unwrap().key("it's {a}:b").unwrap()
+    }
+
+    fn s(v: &str) -> Value {
+        Value::BulkString(v.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn storage_key_is_prefix_namespace_colon_id() {
+        assert_eq!(storage_key("idem:", &key()), b"idem:ns:it's {a}:b".to_vec());
+    }
+
+    #[test]
+    fn decodes_a_completed_record_relative_to_the_token() {
+        let token = 1_700_000_000_123_456u64;
+        let fp = Fingerprint::of("payload");
+        let reply = Value::Array(vec![
+            Value::Int(1_700_000_000_200),
+            Value::Int(1_700_000_100_000),
+            Value::Array(vec![
+                s("t"),
+                s(&token.to_string()),
+                s("s"),
+                s("22"),
+                s("o"),
+                s("w1"),
+                s("f"),
+                Value::BulkString(fp.as_bytes().to_vec()),
+                s("c"),
+                s("23"),
+                s("u"),
+                s("7"),
+            ]),
+        ]);
+        let r = record(&reply, &key()).unwrap().unwrap();
+        let at = |ms: u64| UNIX_EPOCH + Duration::from_millis(ms);
+        assert_eq!(r.token, FencingToken::new(token));
+        assert_eq!(r.attempts, 2);
+        assert_eq!(
+            r.state,
+            RecordState::Completed {
+                result: Bytes::new()
+            }
+        );
+        assert_eq!(r.fingerprint, Some(fp));
+        assert_eq!(r.owner, "w1");
+        assert_eq!(r.created_at, at(1_700_000_000_100));
+        assert_eq!(r.updated_at, at(1_700_000_000_130));
+        assert_eq!(r.lease_expires_at, None);
+        assert_eq!(r.expires_at, Some(at(1_700_000_100_000)));
+    }
+
+    #[test]
+    fn missing_fields_are_corrupt() {
+        let reply = Value::Array(vec![
+            Value::Int(1),
+            Value::Int(-1),
+            Value::Array(vec![s("t"), s("12345"), s("s"), s("10")]),
+        ]);
+        assert!(record(&reply, &key()).is_err());
+        assert_eq!(record(&Value::Nil, &key()).unwrap(), None);
+    }
+
+    #[test]
+    fn decodes_acquire_replies() {
+        let k = key();
+        let acquired = Value::Array(vec![
+            Value::Int(0),
+            Value::Int(42),
+            Value::Int(3),
+            Value::Int(5_000),
+            Value::Int(1),
+        ]);
+        match acquire_outcome(&acquired, &k, "me").unwrap() {
+            AcquireOutcome::Acquired { lease, takeover } => {
+                assert!(takeover);
+                assert_eq!(lease.token, FencingToken::new(42));
+                assert_eq!(lease.attempt, 3);
+                assert_eq!(lease.owner, "me");
+                assert_eq!(lease.expires_at, UNIX_EPOCH + Duration::from_secs(5));
+            }
+            other => panic!("{other:?}"),
+        }
+        let exhausted = Value::Array(vec![Value::Int(4), Value::Int(5), Value::Int(0), s("")]);
+        assert_eq!(
+            acquire_outcome(&exhausted, &k, "me").unwrap(),
+            AcquireOutcome::Exhausted {
+                attempts: 5,
+                last_error: None
+            }
+        );
+        assert!(acquire_outcome(&Value::Array(vec![Value::Int(9)]), &k, "me").is_err());
+        assert_eq!(
+            fenced(&Value::Array(vec![Value::Int(0), Value::Int(-1)])).unwrap(),
+            Fenced::Lost(None)
+        );
+    }
+}

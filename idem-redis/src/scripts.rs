@@ -1,0 +1,79 @@
+//! The Lua scripts, one per transition, compiled into the binary.
+
+use std::sync::LazyLock;
+
+use redis::Script;
+
+const COMMON: &str = include_str!("lua/common.lua");
+
+/// One of the store's Lua scripts, as the server runs it.
+///
+/// The store loads scripts by itself (EVALSHA, and SCRIPT LOAD on NOSCRIPT); this is for tools
+/// and operators, for instance to preload them or to call one from `redis-benchmark`.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct LuaScript {
+    /// The transition it implements: `acquire`, `extend`, `complete`, `fail`, `release`, `get`
+    /// or `delete`.
+    pub name: &'static str,
+    /// The full source sent with `SCRIPT LOAD`.
+    pub source: String,
+    script: Script,
+}
+
+impl LuaScript {
+    /// The SHA-1 that `EVALSHA` takes, in lower-case hex.
+    pub fn sha1(&self) -> &str {
+        self.script.get_hash()
+    }
+
+    pub(crate) fn script(&self) -> &Script {
+        &self.script
+    }
+}
+
+/// Every script the store runs. Each touches exactly one key (`KEYS[1]`).
+pub(crate) struct Scripts {
+    pub(crate) acquire: LuaScript,
+    pub(crate) extend: LuaScript,
+    pub(crate) complete: LuaScript,
+    pub(crate) fail: LuaScript,
+    pub(crate) release: LuaScript,
+    pub(crate) get: LuaScript,
+    pub(crate) delete: LuaScript,
+}
+
+/// `#!lua` (Redis 7 script flags: none, so the script may write and may only touch the keys it
+/// declares), then the shared prelude, then the body.
+fn build(name: &'static str, body: &str) -> LuaScript {
+    let source = format!("#!lua\n{COMMON}\n{body}");
+    LuaScript {
+        name,
+        script: Script::new(&source),
+        source,
+    }
+}
+
+pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    acquire: build("acquire", include_str!("lua/acquire.lua")),
+    extend: build("extend", include_str!("lua/extend.lua")),
+    complete: build("complete", include_str!("lua/complete.lua")),
+    fail: build("fail", include_str!("lua/fail.lua")),
+    release: build("release", include_str!("lua/release.lua")),
+    get: build("get", include_str!("lua/get.lua")),
+    delete: build("delete", include_str!("lua/delete.lua")),
+});
+
+/// The store's scripts: `acquire`, `extend`, `complete`, `fail`, `release`, `get`, `delete`.
+pub fn lua_scripts() -> [&'static LuaScript; 7] {
+    let s = &*SCRIPTS;
+    [
+        &s.acquire,
+        &s.extend,
+        &s.complete,
+        &s.fail,
+        &s.release,
+        &s.get,
+        &s.delete,
+    ]
+}

@@ -1,0 +1,560 @@
+//! Tests on a redis-server this test process starts on a free port, so that Redis' own counters
+//! see only this test's traffic: round trips counted per operation, the stored layout, memory,
+//! and an outage followed by reconnection.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::PrivateRedis;
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Bytes, Error, Fingerprint, IdempotencyStore, Lease, Namespace,
+};
+use idem_redis::{RedisConfig, RedisStore};
+use redis::aio::MultiplexedConnection;
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+async fn admin(server: &PrivateRedis) -> MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("admin connection to the private server")
+}
+
+async fn commandstats(admin: &mut MultiplexedConnection) -> HashMap<String, u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(admin)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix("cmdstat_")?;
+            let (name, stats) = rest.split_once(':')?;
+            let calls = stats
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((name.to_owned(), calls))
+        })
+        .collect()
+}
+
+/// MONITOR on the private server (over a plain socket): every command it executes, scripts'
+/// inner calls marked `lua`, each with the client address that sent it.
+struct Monitor {
+    socket: TcpStream,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Monitor {
+    fn start(port: u16) -> Self {
+        let mut socket = TcpStream::connect(("127.0.0.1", port)).expect("monitor connection");
+        socket.write_all(b"MONITOR\r\n").unwrap();
+        let reader = BufReader::new(socket.try_clone().unwrap());
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            // Each event is a RESP simple string: `+1700000000.123456 [0 127.0.0.1:5000] "CMD" ...`
+            for line in reader.lines().map_while(Result::ok) {
+                if tx.send(line.trim_start_matches('+').to_owned()).is_err() {
+                    break;
+                }
+            }
+        });
+        // MONITOR is in force once the server answered +OK.
+        let ok = lines.recv_timeout(Duration::from_secs(10));
+        assert_eq!(ok.as_deref(), Ok("OK"), "MONITOR refused");
+        Self { socket, lines }
+    }
+
+    /// Lines up to (and including) the one that contains `mark`.
+    fn until(&self, mark: &str) -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut out = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("MONITOR never showed {mark}; saw {out:#?}"));
+            let done = line.contains(mark);
+            out.push(line);
+            if done {
+                return out;
+            }
+        }
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// `1700000000.123456 [0 127.0.0.1:5000] "EVALSHA" ...` -> ("127.0.0.1:5000", "EVALSHA")
+fn source_and_command(line: &str) -> Option<(&str, &str)> {
+    let start = line.find('[')?;
+    let end = line[start..].find(']')? + start;
+    let source = line[start + 1..end].split_once(' ')?.1;
+    let command = line[end + 1..].trim().split(' ').next()?.trim_matches('"');
+    Some((source, command))
+}
+
+struct Counter {
+    admin: MultiplexedConnection,
+    monitor: Monitor,
+    n: u32,
+}
+
+/// What one operation cost, as Redis saw it.
+#[derive(Debug)]
+struct Cost {
+    /// Commands the store's connection sent (MONITOR, everything but the admin's and Lua's).
+    sent: Vec<String>,
+    /// `cmdstat_evalsha` calls added.
+    evalsha: u64,
+    /// Changes of every other command's call count (scripts' inner calls included), less the
+    /// admin's own INFO.
+    others: HashMap<String, u64>,
+}
+
+impl Counter {
+    async fn measure<T>(&mut self, op: impl Future<Output = T>) -> (T, Cost) {
+        self.n += 1;
+        let (start, end) = (
+            format!("mark-start-{}", self.n),
+            format!("mark-end-{}", self.n),
+        );
+        let _: String = redis::cmd("ECHO")
+            .arg(&start)
+            .query_async(&mut self.admin)
+            .await
+            .unwrap();
+        let before = commandstats(&mut self.admin).await;
+        let out = op.await;
+        let after = commandstats(&mut self.admin).await;
+        let _: String = redis::cmd("ECHO")
+            .arg(&end)
+            .query_async(&mut self.admin)
+            .await
+            .unwrap();
+
+        let seen = self.monitor.until(&end);
+        let begin = seen
+            .iter()
+            .position(|l| l.contains(&start))
+            .expect("start mark seen");
+        let admin_addr = source_and_command(&seen[begin]).unwrap().0.to_owned();
+        let sent = seen[begin..]
+            .iter()
+            .filter_map(|l| source_and_command(l))
+            .filter(|(source, _)| *source != "lua" && *source != admin_addr)
+            .map(|(_, command)| command.to_ascii_uppercase())
+            .collect();
+        let mut others: HashMap<String, u64> = after
+            .iter()
+            .map(|(name, calls)| (name.clone(), calls - before.get(name).copied().unwrap_or(0)))
+            .filter(|(name, delta)| *delta > 0 && name != "evalsha")
+            .collect();
+        // The first INFO is counted by the second one.
+        match others.get_mut("info") {
+            Some(1) => {
+                others.remove("info");
+            }
+            other => panic!("unexpected INFO count {other:?}"),
+        }
+        let evalsha = after.get("evalsha").copied().unwrap_or(0)
+            - before.get("evalsha").copied().unwrap_or(0);
+        (
+            out,
+            Cost {
+                sent,
+                evalsha,
+                others,
+            },
+        )
+    }
+}
+
+/// Commands the scripts call inside Redis (never sent by the client).
+const INNER: &[&str] = &[
+    "time",
+    "hmget",
+    "hget",
+    "hgetall",
+    "hset",
+    "hdel",
+    "del",
+    "persist",
+    "pexpireat",
+    "pexpiretime",
+];
+
+fn assert_one_script_call(what: &str, cost: &Cost) {
+    println!("{what}: sent {:?}, inner {:?}", cost.sent, cost.others);
+    assert_eq!(cost.sent, vec!["EVALSHA".to_owned()], "{what}: {cost:?}");
+    assert_eq!(cost.evalsha, 1, "{what}: {cost:?}");
+    for name in cost.others.keys() {
+        assert!(
+            INNER.contains(&name.as_str()),
+            "{what}: unexpected command {name}: {cost:?}"
+        );
+    }
+}
+
+fn lease_of(outcome: idem_core::Result<AcquireOutcome>) -> Lease {
+    match outcome {
+        Ok(AcquireOutcome::Acquired { lease, .. }) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_transition_is_one_round_trip() {
+    let server = PrivateRedis::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let mut counter = Counter {
+        admin: admin(&server).await,
+        monitor: Monitor::start(server.port),
+        n: 0,
+    };
+    let ns = Namespace::new("rt").unwrap();
+    let fp = Fingerprint::of("payload");
+    let req = |id: &str| {
+        AcquireRequest::new(ns.key(id).unwrap(), "w1")
+            .with_fingerprint(fp)
+            .with_lease_ttl(Duration::from_millis(300))
+    };
+
+    // The very first call of a script on a fresh server: NOSCRIPT, SCRIPT LOAD, EVALSHA again.
+    let (first, cost) = counter.measure(store.acquire(&req("warm-up"))).await;
+    println!("first acquire on a fresh server: sent {:?}", cost.sent);
+    assert_eq!(cost.sent, ["EVALSHA", "SCRIPT", "EVALSHA"], "{cost:?}");
+    let warm = lease_of(first);
+    // Load the other scripts once, uncounted.
+    store.extend(&warm, HOUR).await.unwrap();
+    store.release(&warm).await.unwrap();
+    let warm = lease_of(store.acquire(&req("warm-up")).await);
+    store.fail(&warm, "x", true, HOUR).await.unwrap();
+    let warm = lease_of(store.acquire(&req("warm-up")).await);
+    store.complete(&warm, Bytes::new(), HOUR).await.unwrap();
+    store.get(&warm.key).await.unwrap();
+    store.delete(&warm.key).await.unwrap();
+
+    let (fresh, cost) = counter.measure(store.acquire(&req("a"))).await;
+    assert_one_script_call("acquire (fresh)", &cost);
+    let lease = lease_of(fresh);
+
+    let (busy, cost) = counter.measure(store.acquire(&req("a"))).await;
+    assert_one_script_call("acquire (busy)", &cost);
+    assert!(
+        matches!(busy, Ok(AcquireOutcome::InProgress { .. })),
+        "{busy:?}"
+    );
+
+    let other =
+        AcquireRequest::new(ns.key("a").unwrap(), "w2").with_fingerprint(Fingerprint::of("x"));
+    let (conflict, cost) = counter.measure(store.acquire(&other)).await;
+    assert_one_script_call("acquire (conflict)", &cost);
+    assert!(
+        matches!(conflict, Ok(AcquireOutcome::Conflict)),
+        "{conflict:?}"
+    );
+
+    let (extended, cost) = counter
+        .measure(store.extend(&lease, Duration::from_millis(100)))
+        .await;
+    assert_one_script_call("extend", &cost);
+    let lease = extended.unwrap();
+
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (takeover, cost) = counter.measure(store.acquire(&req("a"))).await;
+    assert_one_script_call("acquire (takeover)", &cost);
+    assert!(
+        matches!(
+            &takeover,
+            Ok(AcquireOutcome::Acquired { takeover: true, .. })
+        ),
+        "{takeover:?}"
+    );
+    let current = lease_of(takeover);
+
+    let (zombie, cost) = counter
+        .measure(store.complete(&lease, Bytes::from_static(b"late"), HOUR))
+        .await;
+    assert_one_script_call("complete (fenced off)", &cost);
+    assert!(matches!(zombie, Err(Error::LeaseLost { .. })), "{zombie:?}");
+
+    let (done, cost) = counter
+        .measure(store.complete(&current, Bytes::from_static(b"result"), HOUR))
+        .await;
+    assert_one_script_call("complete", &cost);
+    done.unwrap();
+
+    let (dup, cost) = counter.measure(store.acquire(&req("a"))).await;
+    assert_one_script_call("acquire (duplicate)", &cost);
+    assert!(
+        matches!(&dup, Ok(AcquireOutcome::Replayed { result }) if result.as_ref() == b"result"),
+        "{dup:?}"
+    );
+
+    let b = lease_of(store.acquire(&req("b")).await);
+    let (failed, cost) = counter.measure(store.fail(&b, "boom", true, HOUR)).await;
+    assert_one_script_call("fail", &cost);
+    failed.unwrap();
+
+    let (retry, cost) = counter.measure(store.acquire(&req("b"))).await;
+    assert_one_script_call("acquire (retry after failure)", &cost);
+    let b = lease_of(retry);
+
+    let (released, cost) = counter.measure(store.release(&b)).await;
+    assert_one_script_call("release", &cost);
+    released.unwrap();
+
+    let (record, cost) = counter.measure(store.get(&b.key)).await;
+    assert_one_script_call("get", &cost);
+    assert!(record.unwrap().is_some());
+
+    let (deleted, cost) = counter.measure(store.delete(&b.key)).await;
+    assert_one_script_call("delete", &cost);
+    assert!(deleted.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_layout_is_a_small_hash_with_key_expiry() {
+    let server = PrivateRedis::start();
+    let store = RedisStore::connect_with(&server.url(), RedisConfig::default())
+        .await
+        .unwrap();
+    let mut admin = admin(&server).await;
+    let ns = Namespace::new("bench").unwrap();
+    let key = ns.key("k0000001").unwrap();
+    let storage_key = store.storage_key(&key);
+    assert_eq!(storage_key, b"idem:bench:k0000001");
+
+    let req = AcquireRequest::new(key.clone(), "w1").with_fingerprint(Fingerprint::of("p"));
+    let lease = lease_of(store.acquire(&req).await);
+    let fields: HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
+        .arg(&storage_key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let mut names: Vec<&str> = fields.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["f", "l", "o", "s", "t", "u"]);
+    assert_eq!(fields["t"], lease.token.get().to_string().into_bytes());
+    assert_eq!(fields["s"], b"10");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&storage_key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(ttl, -1, "records in progress carry no expiry");
+
+    store.complete(&lease, Bytes::new(), HOUR).await.unwrap();
+    let fields: HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
+        .arg(&storage_key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let mut names: Vec<&str> = fields.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["f", "o", "s", "t", "u"]);
+    assert_eq!(fields["s"], b"12");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&storage_key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        ttl > 3_590_000 && ttl <= 3_600_000,
+        "retention is the key's expiry: {ttl}"
+    );
+    let encoding: String = redis::cmd("OBJECT")
+        .arg("ENCODING")
+        .arg(&storage_key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(encoding, "listpack");
+    let bytes: u64 = redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(&storage_key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    println!(
+        "MEMORY USAGE of a completed record with an empty result and a fingerprint: {bytes} B"
+    );
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.token, lease.token);
+    assert!(record.expires_at.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outage_is_unavailable_then_the_store_reconnects() {
+    let mut server = PrivateRedis::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let ns = Namespace::new("outage").unwrap();
+    let lease = lease_of(
+        store
+            .acquire(&AcquireRequest::new(ns.key("a").unwrap(), "w"))
+            .await,
+    );
+
+    let port = server.port;
+    server.stop();
+    let started = Instant::now();
+    let r = store
+        .acquire(&AcquireRequest::new(ns.key("b").unwrap(), "w"))
+        .await;
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    let r = store.complete(&lease, Bytes::new(), HOUR).await;
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // A new server on the same port (empty: no persistence): the store reconnects by itself,
+    // reloads its scripts on NOSCRIPT, and the old lease is gone.
+    let _server = PrivateRedis::start_on(port);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let outcome = loop {
+        match store
+            .acquire(&AcquireRequest::new(ns.key("c").unwrap(), "w"))
+            .await
+        {
+            Ok(outcome) => break outcome,
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("store did not reconnect: {e}"),
+        }
+    };
+    assert!(
+        matches!(outcome, AcquireOutcome::Acquired { .. }),
+        "{outcome:?}"
+    );
+    let r = store.complete(&lease, Bytes::new(), HOUR).await;
+    assert!(
+        matches!(r, Err(Error::LeaseLost { current: None, .. })),
+        "{r:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_records_are_corrupt() {
+    let server = PrivateRedis::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let mut admin = admin(&server).await;
+    let ns = Namespace::new("corrupt").unwrap();
+
+    // A hash with a token but no state: the acquire script refuses it.
+    let key = ns.key("no-state").unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(store.storage_key(&key))
+        .arg("t")
+        .arg("12345")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let r = store.acquire(&AcquireRequest::new(key.clone(), "w")).await;
+    assert!(
+        matches!(&r, Err(Error::CorruptRecord { store: "redis", key: k, .. }) if k == "idem:corrupt:no-state"),
+        "{r:?}"
+    );
+    let r = store.get(&key).await;
+    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
+
+    // An unknown state code.
+    let key = ns.key("bad-state").unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(store.storage_key(&key))
+        .arg(&["t", "12345", "s", "17", "o", "w", "u", "0"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let r = store.acquire(&AcquireRequest::new(key.clone(), "w")).await;
+    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
+    let r = store.get(&key).await;
+    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
+
+    // Not a hash at all (some other application's key under the prefix): a backend error.
+    let key = ns.key("a-string").unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(store.storage_key(&key))
+        .arg("x")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let r = store.acquire(&AcquireRequest::new(key, "w")).await;
+    assert!(
+        matches!(r, Err(Error::Backend { store: "redis", .. })),
+        "{r:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_server_is_unavailable_within_the_bound() {
+    let server = PrivateRedis::start();
+    let config = RedisConfig::default()
+        .with_response_timeout(Duration::from_millis(300))
+        .with_operation_timeout(Duration::from_secs(1));
+    let store = RedisStore::connect_with(&server.url(), config)
+        .await
+        .unwrap();
+    let mut admin = admin(&server).await;
+    let ns = Namespace::new("stall").unwrap();
+    lease_of(
+        store
+            .acquire(&AcquireRequest::new(ns.key("warm").unwrap(), "w"))
+            .await,
+    );
+
+    // The server accepts the request but answers nobody for 3 s.
+    let _: () = redis::cmd("CLIENT")
+        .arg(&["PAUSE", "3000", "ALL"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let r = store
+        .acquire(&AcquireRequest::new(ns.key("a").unwrap(), "w"))
+        .await;
+    let took = started.elapsed();
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    assert!(took < Duration::from_millis(1500), "{took:?}");
+
+    // Once the pause ends, the store answers again.
+    tokio::time::sleep(Duration::from_millis(3200)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match store
+            .acquire(&AcquireRequest::new(ns.key("b").unwrap(), "w"))
+            .await
+        {
+            Ok(outcome) => {
+                assert!(
+                    matches!(outcome, AcquireOutcome::Acquired { .. }),
+                    "{outcome:?}"
+                );
+                break;
+            }
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("store did not recover: {e}"),
+        }
+    }
+}
