@@ -5,3 +5,7 @@ pub use idem_core::*;
 /// The Redis store: one Lua script per transition, standalone and Redis Cluster.
 #[cfg(feature = "redis")]
 pub use idem_redis as redis;
+
+/// The DynamoDB store: one conditional write per transition.
+#[cfg(feature = "dynamo")]
+pub use idem_dynamo as dynamo;

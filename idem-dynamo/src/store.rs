@@ -1,0 +1,513 @@
+//! [`DynamoStore`]: the store trait on conditional `UpdateItem` requests.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use aws_config::{BehaviorVersion, SdkConfig};
+use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::config::retry::RetryConfig;
+use aws_sdk_dynamodb::config::timeout::TimeoutConfig;
+use aws_sdk_dynamodb::config::{Credentials, Region};
+use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
+use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
+use bytes::Bytes;
+use idem_core::machine::{self, AcquireDecision};
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Clock, Error, FencingToken, IdempotencyKey, IdempotencyStore,
+    Lease, Limits, Record, RecordState, Result, check_lease_ttl, check_retention,
+};
+
+use crate::STORE;
+use crate::config::DynamoConfig;
+use crate::counter::{AttemptCounter, RequestCounter};
+use crate::error::map_sdk_error;
+use crate::expr;
+use crate::item::{
+    Decoder, Item, attr, b, fingerprint_value, from_micros, micros, n, null, partition_key, s,
+    state, ttl_seconds,
+};
+
+/// How many conditional writes one acquire may send before giving up. Two are enough unless other
+/// writers keep changing the item in between.
+const MAX_ACQUIRE_ROUNDS: usize = 4;
+
+/// The [`IdempotencyStore`] on Amazon DynamoDB: one item per key, one conditional `UpdateItem`
+/// per transition. See the [crate docs](crate) for the item layout, the clock and the tokens.
+///
+/// Cloning is cheap and shares the client and the [`RequestCounter`].
+#[derive(Clone)]
+pub struct DynamoStore {
+    client: Client,
+    table: Arc<str>,
+    limits: Limits,
+    clock: Arc<dyn Clock>,
+    requests: RequestCounter,
+}
+
+impl fmt::Debug for DynamoStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DynamoStore")
+            .field("table", &self.table)
+            .field("limits", &self.limits)
+            .field("clock", &self.clock)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a conditional update did.
+enum Written {
+    /// The condition held; the attributes asked for with `ReturnValues`.
+    Applied(Item),
+    /// The condition failed; the item as it was (absent when there was none).
+    Refused(Option<Item>),
+}
+
+/// Why an acquire gave up (surfaces as the source of [`Error::Backend`]).
+#[derive(Debug, thiserror::Error)]
+#[error("acquire did not settle after {MAX_ACQUIRE_ROUNDS} conditional writes")]
+struct AcquireDidNotSettle;
+
+impl DynamoStore {
+    /// Connects with the standard AWS configuration (environment, profile, default credential
+    /// chain) overridden by `config`. No request is sent: use
+    /// [`create_table_if_missing`](Self::create_table_if_missing) to check the table exists.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for bad options.
+    pub async fn connect(config: DynamoConfig) -> Result<Self> {
+        config.validate()?;
+        let mut loader = aws_config::defaults(BehaviorVersion::latest());
+        if let Some(region) = &config.region {
+            loader = loader.region(Region::new(region.clone()));
+        }
+        if let Some((id, secret)) = &config.static_credentials {
+            loader = loader.credentials_provider(static_credentials(id, secret));
+        }
+        let sdk = loader.load().await;
+        Self::from_sdk_config(&sdk, config)
+    }
+
+    /// Builds the store on an existing AWS configuration; `config` still sets the table, the
+    /// timeouts, the retries and the limits, and overrides endpoint, region and credentials
+    /// when it has them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for bad options.
+    pub fn from_sdk_config(sdk: &SdkConfig, config: DynamoConfig) -> Result<Self> {
+        config.validate()?;
+        let requests = RequestCounter::new();
+        let mut builder = aws_sdk_dynamodb::config::Builder::from(sdk)
+            .timeout_config(
+                TimeoutConfig::builder()
+                    .connect_timeout(config.connect_timeout)
+                    .operation_attempt_timeout(config.attempt_timeout)
+                    .operation_timeout(config.operation_timeout)
+                    .build(),
+            )
+            .retry_config(
+                RetryConfig::standard()
+                    .with_max_attempts(config.max_attempts)
+                    .with_initial_backoff(Duration::from_millis(50))
+                    .with_max_backoff(Duration::from_secs(1)),
+            )
+            .interceptor(requests.interceptor());
+        if let Some(url) = &config.endpoint_url {
+            builder = builder.endpoint_url(url.clone());
+        }
+        if let Some(region) = &config.region {
+            builder = builder.region(Region::new(region.clone()));
+        }
+        if let Some((id, secret)) = &config.static_credentials {
+            builder = builder.credentials_provider(static_credentials(id, secret));
+        }
+        Ok(Self {
+            client: Client::from_conf(builder.build()),
+            table: Arc::from(config.table.as_str()),
+            limits: config.limits,
+            clock: config.clock,
+            requests,
+        })
+    }
+
+    /// The SDK client (for operator tooling; the store's own requests go through it too, so
+    /// the [`RequestCounter`] counts yours as well).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The requests this store (and its clones) sent, by DynamoDB operation.
+    pub fn requests(&self) -> &RequestCounter {
+        &self.requests
+    }
+
+    /// The clock reading used for one operation, truncated to the microseconds that are stored.
+    fn now(&self) -> (u64, SystemTime) {
+        let us = micros(self.clock.now());
+        (us, from_micros(us))
+    }
+
+    /// Sends one conditional `UpdateItem` on `key`.
+    async fn update(
+        &self,
+        key: &IdempotencyKey,
+        update: &str,
+        condition: &str,
+        values: Vec<(&'static str, aws_sdk_dynamodb::types::AttributeValue)>,
+        returns: ReturnValue,
+        attempts: Option<&AttemptCounter>,
+    ) -> Result<Written> {
+        let expressions = [update, condition];
+        let mut request = self
+            .client
+            .update_item()
+            .table_name(&*self.table)
+            .key(attr::PK, s(partition_key(key)))
+            .update_expression(update)
+            .condition_expression(condition)
+            .set_expression_attribute_names(Some(expr::names(&expressions)))
+            .set_expression_attribute_values(Some(expr::values(&expressions, values)))
+            .return_values(returns)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .customize();
+        if let Some(attempts) = attempts {
+            request = request.interceptor(attempts.clone());
+        }
+        match request.send().await {
+            Ok(output) => Ok(Written::Applied(output.attributes.unwrap_or_default())),
+            Err(err) => match err.as_service_error() {
+                Some(UpdateItemError::ConditionalCheckFailedException(refused)) => {
+                    Ok(Written::Refused(refused.item.clone()))
+                }
+                _ => Err(map_sdk_error(err)),
+            },
+        }
+    }
+
+    /// One fenced transition: `update` applied under [`expr::FENCE`]. When the fence fails, the
+    /// old item says who holds the key now; if the SDK had retried the request and the item shows
+    /// that an earlier attempt of this very call took effect (`already_done`), that is a success.
+    async fn fenced(
+        &self,
+        lease: &Lease,
+        update: &str,
+        now_us: u64,
+        mut values: Vec<(&'static str, aws_sdk_dynamodb::types::AttributeValue)>,
+        already_done: impl FnOnce(&Record) -> bool,
+    ) -> Result<()> {
+        values.extend([
+            ("token", n(lease.token.get())),
+            ("in_progress", s(state::IN_PROGRESS)),
+            ("now", n(now_us)),
+        ]);
+        let attempts = AttemptCounter::default();
+        let written = self
+            .update(
+                &lease.key,
+                update,
+                expr::FENCE,
+                values,
+                ReturnValue::None,
+                Some(&attempts),
+            )
+            .await?;
+        let old = match written {
+            Written::Applied(_) => return Ok(()),
+            Written::Refused(old) => old,
+        };
+        let now = from_micros(now_us);
+        let current = match old {
+            None => None,
+            Some(item) => {
+                let record = Decoder::new(&item, &lease.key).record()?;
+                if attempts.retried() && record.token == lease.token && already_done(&record) {
+                    return Ok(());
+                }
+                (!record.is_expired(now)).then_some(record.token)
+            }
+        };
+        Err(Error::LeaseLost {
+            key: lease.key.clone(),
+            presented: lease.token,
+            current,
+        })
+    }
+}
+
+fn static_credentials(id: &str, secret: &str) -> Credentials {
+    Credentials::new(id, secret, None, None, "idem-dynamo-static")
+}
+
+#[async_trait]
+impl IdempotencyStore for DynamoStore {
+    fn name(&self) -> &'static str {
+        STORE
+    }
+
+    fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    async fn acquire(&self, req: &AcquireRequest) -> Result<AcquireOutcome> {
+        req.validate()?;
+        let lease_us = u64::try_from(req.lease_ttl.as_micros()).unwrap_or(u64::MAX);
+        // Set when the item is a failed-retryable record past retention: re-create it fresh,
+        // compare-and-swapped on this token.
+        let mut refresh: Option<FencingToken> = None;
+        for _ in 0..MAX_ACQUIRE_ROUNDS {
+            let (now_us, now) = self.now();
+            let lease_end = now_us.saturating_add(lease_us);
+            let mut values = vec![
+                ("in_progress", s(state::IN_PROGRESS)),
+                ("now", n(now_us)),
+                ("one", n(1)),
+                ("zero", n(0)),
+                ("owner", s(req.owner.clone())),
+                ("fp", fingerprint_value(req.fingerprint.as_ref())),
+                ("lease", n(lease_end)),
+                ("namespace", s(req.key.namespace().as_str())),
+                ("id", s(req.key.id())),
+                ("max", n(u64::from(req.max_attempts))),
+                ("released", s(state::RELEASED)),
+                ("failed_retryable", s(state::FAILED_RETRYABLE)),
+                ("null_type", s("NULL")),
+            ];
+            let written = match refresh.take() {
+                None => {
+                    let condition = expr::acquire_condition(req.fingerprint.is_some());
+                    self.update(
+                        &req.key,
+                        expr::ACQUIRE_UPDATE,
+                        &condition,
+                        values,
+                        ReturnValue::UpdatedOld,
+                        None,
+                    )
+                    .await?
+                }
+                Some(seen) => {
+                    values.push(("seen", n(seen.get())));
+                    match self
+                        .update(
+                            &req.key,
+                            expr::REFRESH_UPDATE,
+                            expr::REFRESH_CONDITION,
+                            values,
+                            ReturnValue::None,
+                            None,
+                        )
+                        .await?
+                    {
+                        Written::Applied(_) => {
+                            return Ok(acquired(
+                                req,
+                                FencingToken::new(seen.get() + 1),
+                                1,
+                                lease_end,
+                                false,
+                            ));
+                        }
+                        refused => refused,
+                    }
+                }
+            };
+            let item = match written {
+                Written::Applied(old) => {
+                    // The values the update expression computed from the old item.
+                    let decoder = Decoder::new(&old, &req.key);
+                    let token = decoder.opt_u64(attr::TOKEN)?.unwrap_or(now_us) + 1;
+                    let attempts = decoder.opt_u64(attr::ATTEMPTS)?.unwrap_or(0) + 1;
+                    let takeover =
+                        decoder.opt_string(attr::STATE)?.as_deref() == Some(state::IN_PROGRESS);
+                    let attempt = u32::try_from(attempts).unwrap_or(u32::MAX);
+                    return Ok(acquired(
+                        req,
+                        FencingToken::new(token),
+                        attempt,
+                        lease_end,
+                        takeover,
+                    ));
+                }
+                // The item vanished between the evaluation and the answer: try again.
+                Written::Refused(None) => continue,
+                Written::Refused(Some(item)) => item,
+            };
+            let record = Decoder::new(&item, &req.key).record()?;
+            match machine::acquire(Some(&record), req, now, || record.token) {
+                AcquireDecision::Keep(outcome) => return Ok(outcome),
+                _ => {
+                    let stale_retryable = record.is_expired(now)
+                        && matches!(
+                            record.state,
+                            RecordState::Failed {
+                                retryable: true,
+                                ..
+                            }
+                        );
+                    if stale_retryable {
+                        refresh = Some(record.token);
+                    }
+                    // Otherwise the item changed between our two reads of the clock; go again.
+                }
+            }
+        }
+        Err(Error::backend(STORE, AcquireDidNotSettle))
+    }
+
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease> {
+        check_lease_ttl(ttl)?;
+        let (now_us, _) = self.now();
+        let lease_end = now_us.saturating_add(u64::try_from(ttl.as_micros()).unwrap_or(u64::MAX));
+        self.fenced(
+            lease,
+            expr::EXTEND_UPDATE,
+            now_us,
+            vec![("lease", n(lease_end))],
+            |_| false,
+        )
+        .await?;
+        Ok(Lease {
+            expires_at: from_micros(lease_end),
+            ..lease.clone()
+        })
+    }
+
+    async fn complete(&self, lease: &Lease, result: Bytes, retention: Duration) -> Result<()> {
+        check_retention(retention)?;
+        self.limits.check_result(&result)?;
+        let (now_us, _) = self.now();
+        let expires = retention_deadline(now_us, retention);
+        let values = vec![
+            ("completed", s(state::COMPLETED)),
+            ("result", b(result.to_vec())),
+            ("expires", n(expires)),
+            ("ttl", n(ttl_seconds(expires))),
+            ("null", null()),
+        ];
+        self.fenced(lease, expr::COMPLETE_UPDATE, now_us, values, |record| {
+            matches!(&record.state, RecordState::Completed { result: stored } if *stored == result)
+        })
+        .await
+    }
+
+    async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        retryable: bool,
+        retention: Duration,
+    ) -> Result<()> {
+        check_retention(retention)?;
+        self.limits.check_error(error)?;
+        let (now_us, _) = self.now();
+        let expires = retention_deadline(now_us, retention);
+        let (update, state_name) = if retryable {
+            (
+                expr::FAIL_RETRYABLE_UPDATE,
+                ("failed_retryable", s(state::FAILED_RETRYABLE)),
+            )
+        } else {
+            (
+                expr::FAIL_TERMINAL_UPDATE,
+                ("failed_terminal", s(state::FAILED_TERMINAL)),
+            )
+        };
+        let values = vec![
+            state_name,
+            ("error", s(error)),
+            ("expires", n(expires)),
+            ("ttl", n(ttl_seconds(expires))),
+            ("null", null()),
+        ];
+        self.fenced(lease, update, now_us, values, |record| {
+            matches!(&record.state, RecordState::Failed { error: stored, retryable: r }
+                if stored == error && *r == retryable)
+        })
+        .await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<()> {
+        let (now_us, _) = self.now();
+        let values = vec![("released", s(state::RELEASED)), ("one", n(1))];
+        self.fenced(lease, expr::RELEASE_UPDATE, now_us, values, |record| {
+            record.state == RecordState::Released
+        })
+        .await
+    }
+
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>> {
+        let output = self
+            .client
+            .get_item()
+            .table_name(&*self.table)
+            .key(attr::PK, s(partition_key(key)))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        let Some(item) = output.item else {
+            return Ok(None);
+        };
+        let (_, now) = self.now();
+        let record = Decoder::new(&item, key).record()?;
+        Ok((!record.is_expired(now)).then_some(record))
+    }
+
+    async fn delete(&self, key: &IdempotencyKey) -> Result<bool> {
+        let output = self
+            .client
+            .delete_item()
+            .table_name(&*self.table)
+            .key(attr::PK, s(partition_key(key)))
+            .return_values(ReturnValue::AllOld)
+            .send()
+            .await
+            .map_err(map_sdk_error)?;
+        let Some(old) = output.attributes else {
+            return Ok(false);
+        };
+        // The item is gone either way; an undecodable deadline counts as "was there".
+        let (now_us, _) = self.now();
+        let expired = Decoder::new(&old, key)
+            .opt_u64(attr::EXPIRES)
+            .ok()
+            .flatten()
+            .is_some_and(|at| at <= now_us);
+        Ok(!expired)
+    }
+
+    /// A no-op: the table's TTL attribute (`ttl`) lets DynamoDB delete items past retention, and
+    /// every operation already treats them as absent until then.
+    async fn purge_expired(&self, _limit: usize) -> Result<u64> {
+        Ok(0)
+    }
+}
+
+fn retention_deadline(now_us: u64, retention: Duration) -> u64 {
+    now_us.saturating_add(u64::try_from(retention.as_micros()).unwrap_or(u64::MAX))
+}
+
+fn acquired(
+    req: &AcquireRequest,
+    token: FencingToken,
+    attempt: u32,
+    lease_end_us: u64,
+    takeover: bool,
+) -> AcquireOutcome {
+    AcquireOutcome::Acquired {
+        lease: Lease {
+            key: req.key.clone(),
+            owner: req.owner.clone(),
+            token,
+            attempt,
+            expires_at: from_micros(lease_end_us),
+        },
+        takeover,
+    }
+}

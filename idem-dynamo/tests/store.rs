@@ -1,0 +1,277 @@
+//! Behaviour specific to the DynamoDB store: the item layout, the table helper, error mapping,
+//! size limits at their worst case, corrupt items and client clock skew.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Bytes, Error, Fingerprint, IdempotencyKey, IdempotencyStore,
+    Lease, MAX_ID_LEN, MAX_NAMESPACE_LEN, MAX_OWNER_LEN, ManualClock, Namespace, RecordState,
+};
+use idem_dynamo::aws_sdk_dynamodb::types::AttributeValue;
+use idem_dynamo::{DynamoStore, MAX_RESULT_LEN};
+
+const RETENTION: Duration = Duration::from_secs(3600);
+
+fn namespace() -> Namespace {
+    Namespace::new(format!("st-{}", uuid::Uuid::new_v4().simple())).unwrap()
+}
+
+fn request(key: &IdempotencyKey, owner: &str) -> AcquireRequest {
+    AcquireRequest::new(key.clone(), owner)
+        .with_fingerprint(Fingerprint::of("payload"))
+        .with_lease_ttl(Duration::from_secs(30))
+        .with_max_attempts(3)
+}
+
+async fn lease(store: &DynamoStore, req: &AcquireRequest) -> Lease {
+    match store.acquire(req).await.unwrap() {
+        AcquireOutcome::Acquired { lease, .. } => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+async fn raw_item(
+    store: &DynamoStore,
+    pk: &str,
+) -> std::collections::HashMap<String, AttributeValue> {
+    store
+        .client()
+        .get_item()
+        .table_name(store.table())
+        .key("pk", AttributeValue::S(pk.to_owned()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item
+        .unwrap_or_else(|| panic!("no item {pk:?}"))
+}
+
+fn number(item: &std::collections::HashMap<String, AttributeValue>, name: &str) -> u64 {
+    match item.get(name) {
+        Some(AttributeValue::N(n)) => n.parse().unwrap(),
+        other => panic!("{name} should be a number, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn item_layout_follows_the_docs() {
+    let store = common::store().await;
+    let ns = namespace();
+    let key = ns.key("order:42 ünï").unwrap();
+    let pk = format!("{ns}:order:42 ünï");
+    let l = lease(&store, &request(&key, "w1")).await;
+
+    let item = raw_item(&store, &pk).await;
+    assert_eq!(item["state"], AttributeValue::S("in_progress".into()));
+    assert_eq!(item["namespace"], AttributeValue::S(ns.to_string()));
+    assert_eq!(item["id"], AttributeValue::S("order:42 ünï".into()));
+    assert_eq!(number(&item, "token"), l.token.get());
+    assert_eq!(number(&item, "attempts"), 1);
+    assert!(item.contains_key("lease_expires_us") && item.contains_key("fingerprint"));
+    for absent in ["expires_us", "ttl", "result", "error", "final_attempts"] {
+        assert!(
+            !item.contains_key(absent),
+            "{absent} while in progress: {item:?}"
+        );
+    }
+
+    store
+        .complete(&l, Bytes::from_static(b"ok"), RETENTION)
+        .await
+        .unwrap();
+    let item = raw_item(&store, &pk).await;
+    assert_eq!(item["state"], AttributeValue::S("completed".into()));
+    let expires_us = number(&item, "expires_us");
+    assert_eq!(number(&item, "ttl"), expires_us.div_ceil(1_000_000));
+    assert_eq!(number(&item, "final_attempts"), 1);
+    assert!(item.contains_key("final_created_us") && item.contains_key("final_fingerprint"));
+    for absent in ["attempts", "created_us", "fingerprint", "lease_expires_us"] {
+        assert!(
+            !item.contains_key(absent),
+            "{absent} once completed: {item:?}"
+        );
+    }
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.attempts, 1);
+    assert_eq!(record.fingerprint, Some(Fingerprint::of("payload")));
+}
+
+#[tokio::test]
+async fn table_helper_is_idempotent_and_enables_ttl() {
+    let table = format!("idem-helper-{}", uuid::Uuid::new_v4().simple());
+    let store = DynamoStore::connect(common::config(&table)).await.unwrap();
+    let created = store.create_table_if_missing().await;
+    assert!(
+        matches!(created, Ok(true)),
+        "is DynamoDB running at {}? {created:?}",
+        common::endpoint()
+    );
+    assert!(!store.create_table_if_missing().await.unwrap());
+    let ttl = store
+        .client()
+        .describe_time_to_live()
+        .table_name(&table)
+        .send()
+        .await
+        .unwrap();
+    let description = ttl.time_to_live_description().unwrap();
+    assert_eq!(description.attribute_name(), Some("ttl"));
+    store
+        .client()
+        .delete_table()
+        .table_name(&table)
+        .send()
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_missing_table_is_a_backend_error() {
+    // Make sure the server answers at all, so that this checks the mapping.
+    common::store().await;
+    let store = DynamoStore::connect(common::config("idem-no-such-table"))
+        .await
+        .unwrap();
+    let key = namespace().key("k").unwrap();
+    let r = store.acquire(&request(&key, "a")).await;
+    assert!(matches!(r, Err(Error::Backend { .. })), "{r:?}");
+    assert!(!r.unwrap_err().is_retryable());
+}
+
+#[tokio::test]
+async fn an_unreachable_endpoint_is_unavailable_fast() {
+    let store = common::unreachable_store().await.unwrap();
+    let key = namespace().key("k").unwrap();
+    let started = Instant::now();
+    let r = store.acquire(&request(&key, "a")).await;
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    // Three attempts: the SDK's retries are counted as the requests they are.
+    assert_eq!(store.requests().get("UpdateItem"), 3);
+}
+
+/// A random id of exactly [`MAX_ID_LEN`] bytes, mostly two-byte characters.
+fn long_id(prefix: &str) -> String {
+    let mut id = format!("{prefix}-{}-", uuid::Uuid::new_v4().simple());
+    while id.len() + 2 <= MAX_ID_LEN {
+        id.push('é');
+    }
+    while id.len() < MAX_ID_LEN {
+        id.push('x');
+    }
+    id
+}
+
+#[tokio::test]
+async fn the_largest_result_fits_the_largest_item() {
+    let store = common::store().await;
+    assert_eq!(store.limits().max_result_len, MAX_RESULT_LEN);
+    let ns = Namespace::new("n".repeat(MAX_NAMESPACE_LEN)).unwrap();
+    let id = long_id("r");
+    let key = ns.key(&id).unwrap();
+    let owner = "o".repeat(MAX_OWNER_LEN);
+    let l = lease(&store, &request(&key, &owner)).await;
+    let result = Bytes::from(vec![0xA5; MAX_RESULT_LEN]);
+    store.complete(&l, result.clone(), RETENTION).await.unwrap();
+    match store.acquire(&request(&key, &owner)).await.unwrap() {
+        AcquireOutcome::Replayed { result: got } => assert_eq!(got, result),
+        other => panic!("{other:?}"),
+    }
+    // The largest error fits too.
+    let key2 = ns.key(long_id("e")).unwrap();
+    let l = lease(&store, &request(&key2, &owner)).await;
+    let error = "e".repeat(store.limits().max_error_len);
+    store.fail(&l, &error, false, RETENTION).await.unwrap();
+}
+
+#[tokio::test]
+async fn corrupt_items_are_typed_errors() {
+    let store = common::store().await;
+    let ns = namespace();
+    let key = ns.key("corrupt").unwrap();
+    store
+        .client()
+        .put_item()
+        .table_name(store.table())
+        .item("pk", AttributeValue::S(format!("{ns}:corrupt")))
+        .item("state", AttributeValue::S("sleeping".into()))
+        .item("token", AttributeValue::N("5".into()))
+        .send()
+        .await
+        .unwrap();
+    let r = store.get(&key).await;
+    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
+    let r = store.acquire(&request(&key, "a")).await;
+    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
+    assert!(store.delete(&key).await.unwrap(), "operators can remove it");
+    lease(&store, &request(&key, "a")).await;
+}
+
+#[tokio::test]
+async fn a_stale_retryable_failure_starts_over() {
+    let (store, clock) = common::manual_store().await;
+    let key = namespace().key("stale").unwrap();
+    let a = lease(&store, &request(&key, "a")).await;
+    store
+        .fail(&a, "timeout", true, Duration::from_secs(1))
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(2));
+    assert_eq!(store.get(&key).await.unwrap(), None, "past retention");
+    // A different fingerprint does not conflict with a record past retention.
+    let other = request(&key, "b").with_fingerprint(Fingerprint::of("other"));
+    let b = lease(&store, &other).await;
+    assert_eq!(b.attempt, 1);
+    assert!(b.token > a.token);
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.fingerprint, Some(Fingerprint::of("other")));
+    assert_eq!(record.attempts, 1);
+    assert_eq!(record.created_at, record.updated_at);
+    assert_eq!(record.expires_at, None);
+    assert_eq!(record.state, RecordState::InProgress);
+}
+
+#[tokio::test]
+async fn a_client_clock_ahead_takes_over_and_fencing_holds() {
+    // Two consumers on one table; the second one's clock runs a whole lease ahead.
+    let (slow, _) = common::manual_store().await;
+    let fast_clock = Arc::new(ManualClock::default());
+    fast_clock.advance(Duration::from_secs(31));
+    let fast = common::store_with(common::config(common::table()).with_clock(fast_clock)).await;
+    let key = namespace().key("skew").unwrap();
+    let a = lease(&slow, &request(&key, "slow")).await;
+    let b = match fast.acquire(&request(&key, "fast")).await.unwrap() {
+        AcquireOutcome::Acquired { lease, takeover } => {
+            assert!(takeover, "the fast clock sees the lease expired");
+            lease
+        }
+        other => panic!("{other:?}"),
+    };
+    let r = slow
+        .complete(&a, Bytes::from_static(b"late"), RETENTION)
+        .await;
+    assert!(
+        matches!(r, Err(Error::LeaseLost { current: Some(t), .. }) if t == b.token),
+        "{r:?}"
+    );
+    fast.complete(&b, Bytes::from_static(b"ok"), RETENTION)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn config_is_validated_before_connecting() {
+    let r = DynamoStore::connect(common::config("x")).await;
+    assert!(
+        matches!(r, Err(Error::InvalidInput { field: "table", .. })),
+        "{r:?}"
+    );
+}
