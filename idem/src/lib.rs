@@ -9,3 +9,7 @@ pub use idem_redis as redis;
 /// The DynamoDB store: one conditional write per transition.
 #[cfg(feature = "dynamo")]
 pub use idem_dynamo as dynamo;
+
+/// The PostgreSQL store: single-statement transitions and a transactional mode.
+#[cfg(feature = "postgres")]
+pub use idem_postgres as postgres;

@@ -1,0 +1,715 @@
+//! PostgreSQL-specific behaviour of the plain store: migrations, round trips, hostile input,
+//! the sweeper, errors and timeouts.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use common::proxy::{Counts, Proxy};
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Bytes, Error, Fingerprint, IdempotencyStore, Namespace,
+    RecordState,
+};
+use idem_postgres::{PostgresConfig, PostgresStore, SweeperConfig, ddl};
+
+fn ns() -> Namespace {
+    Namespace::new(format!("t-{:08x}", rand::random::<u32>())).unwrap()
+}
+
+fn acquired(outcome: AcquireOutcome) -> idem_core::Lease {
+    match outcome {
+        AcquireOutcome::Acquired { lease, .. } => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+const RETENTION: Duration = Duration::from_secs(3600);
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_concurrent() {
+    let schema = common::fresh_schema();
+    let config = common::config(&schema).with_table("concurrent_mig");
+    let store = PostgresStore::connect(config).await.unwrap();
+    let _ = common::admin().await;
+    let runs = futures::future::join_all((0..4).map(|_| {
+        let store = store.clone();
+        async move { store.migrate().await }
+    }))
+    .await;
+    let applied: Vec<_> = runs
+        .into_iter()
+        .map(|r| r.expect("concurrent migrate").applied)
+        .collect();
+    assert_eq!(
+        applied.iter().filter(|a| !a.is_empty()).count(),
+        1,
+        "exactly one run applies the migration: {applied:?}"
+    );
+    let again = store.migrate().await.unwrap();
+    assert!(again.applied.is_empty(), "{again:?}");
+    assert_eq!(again.version, idem_postgres::SCHEMA_VERSION);
+    let admin = common::admin().await;
+    let row = admin
+        .query_one(
+            &format!("SELECT count(*) FROM \"{schema}\".\"concurrent_mig_migrations\""),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0), 1);
+    let idx = admin
+        .query_one(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND indexname = 'concurrent_mig_expires_at_idx'",
+            &[&schema],
+        )
+        .await
+        .unwrap();
+    assert_eq!(idx.get::<_, i64>(0), 1, "sweeper index exists");
+    admin
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn hostile_identifiers_are_rejected_before_any_statement() {
+    let hostile = [
+        "x\"; DROP TABLE t; --",
+        "a b",
+        "Robert'); DROP TABLE students;--",
+        "$1",
+        "ä",
+        "",
+        "1abc",
+        "pg_catalog",
+        "UPPER",
+        "a.b",
+    ];
+    for name in hostile {
+        // The server is never contacted: the config points at a dead port.
+        let schema = PostgresConfig::new("postgres://postgres@127.0.0.1:1/test")
+            .unwrap()
+            .with_schema(name);
+        let r = PostgresStore::connect(schema).await;
+        assert!(
+            matches!(
+                r,
+                Err(Error::InvalidInput {
+                    field: "schema",
+                    ..
+                })
+            ),
+            "schema {name:?}: {r:?}"
+        );
+        if name != "pg_catalog" {
+            let table = PostgresConfig::new("postgres://postgres@127.0.0.1:1/test")
+                .unwrap()
+                .with_table(name);
+            let r = PostgresStore::connect(table).await;
+            assert!(
+                matches!(r, Err(Error::InvalidInput { field: "table", .. })),
+                "table {name:?}: {r:?}"
+            );
+            assert!(ddl("idem", name).is_err(), "{name:?}");
+        }
+    }
+    let too_long = "t".repeat(idem_postgres::MAX_TABLE_LEN + 1);
+    let r = PostgresStore::connect(
+        PostgresConfig::new("postgres://postgres@127.0.0.1:1/test")
+            .unwrap()
+            .with_table(too_long),
+    )
+    .await;
+    assert!(
+        matches!(r, Err(Error::InvalidInput { field: "table", .. })),
+        "{r:?}"
+    );
+    assert!(
+        ddl("idem", "records")
+            .unwrap()
+            .contains("\"idem\".\"records\"")
+    );
+}
+
+#[tokio::test]
+async fn hostile_keys_cannot_change_a_query() {
+    let store = common::store().await;
+    let ns = ns();
+    let ids = [
+        "'",
+        "''",
+        "\"",
+        "'; DROP TABLE idem.records; --",
+        "Robert'); DROP TABLE students;--",
+        "a; SELECT pg_sleep(10);",
+        "$1",
+        "$2::text",
+        "%",
+        "_",
+        "\\",
+        "\\x00",
+        "E'\\n'",
+        "ключ",
+        "键🔑",
+        "e\u{301}", // e + combining accent
+        "\u{e9}",   // precomposed é: a different key
+        " ",
+        "a\nb",
+        "{}:*",
+    ];
+    for (i, id) in ids.iter().enumerate() {
+        let key = ns.key(id).unwrap();
+        let lease = acquired(
+            store
+                .acquire(
+                    &AcquireRequest::new(key.clone(), format!("owner'; --{i}"))
+                        .with_fingerprint(Fingerprint::of(id)),
+                )
+                .await
+                .unwrap(),
+        );
+        store
+            .complete(&lease, Bytes::from(format!("result of {id}")), RETENTION)
+            .await
+            .unwrap();
+    }
+    let mut seen = HashSet::new();
+    for (i, id) in ids.iter().enumerate() {
+        let key = ns.key(id).unwrap();
+        let record = store.get(&key).await.unwrap().expect("record");
+        assert_eq!(record.key.id(), *id);
+        assert_eq!(record.owner, format!("owner'; --{i}"));
+        assert_eq!(
+            record.state,
+            RecordState::Completed {
+                result: Bytes::from(format!("result of {id}"))
+            }
+        );
+        assert!(seen.insert(record.token), "tokens are distinct");
+        let replay = store
+            .acquire(&AcquireRequest::new(key, "other").with_fingerprint(Fingerprint::of(id)))
+            .await
+            .unwrap();
+        assert_eq!(
+            replay,
+            AcquireOutcome::Replayed {
+                result: Bytes::from(format!("result of {id}"))
+            }
+        );
+    }
+    // Exactly one row per key, stored verbatim, and the table is still there.
+    let admin = common::admin().await;
+    let rows = admin
+        .query(
+            &format!(
+                "SELECT id FROM {} WHERE namespace = $1 ORDER BY id",
+                store.qualified_table()
+            ),
+            &[&ns.as_str()],
+        )
+        .await
+        .unwrap();
+    let stored: HashSet<String> = rows.iter().map(|r| r.get(0)).collect();
+    let expected: HashSet<String> = ids.iter().map(|s| s.to_string()).collect();
+    assert_eq!(rows.len(), ids.len());
+    assert_eq!(stored, expected);
+}
+
+/// Runs `op` through the proxy and returns what the client sent for it.
+async fn counted<T>(proxy: &Proxy, op: impl std::future::Future<Output = T>) -> (T, Counts) {
+    let before = proxy.counts();
+    let out = op.await;
+    (out, proxy.counts() - before)
+}
+
+/// One statement execution and one round trip per transition, counted on the wire.
+#[tokio::test]
+async fn one_statement_per_transition() {
+    let _ = common::store().await; // migrated schema
+    let proxy = Proxy::start(common::upstream_addr().await).await;
+    let store = PostgresStore::connect(
+        common::config_via(proxy.addr, common::run_schema()).with_pool_size(1),
+    )
+    .await
+    .unwrap();
+    let ns = ns();
+    let key = |i: u32| ns.key(format!("k{i}")).unwrap();
+
+    // Warm up: open the connection and prepare every statement once.
+    let lease = acquired(
+        store
+            .acquire(&AcquireRequest::new(key(0), "w"))
+            .await
+            .unwrap(),
+    );
+    let lease = store.extend(&lease, Duration::from_secs(30)).await.unwrap();
+    store.release(&lease).await.unwrap();
+    let lease = acquired(
+        store
+            .acquire(&AcquireRequest::new(key(0), "w"))
+            .await
+            .unwrap(),
+    );
+    store.fail(&lease, "x", true, RETENTION).await.unwrap();
+    let lease = acquired(
+        store
+            .acquire(&AcquireRequest::new(key(0), "w"))
+            .await
+            .unwrap(),
+    );
+    store
+        .complete(&lease, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap();
+    store.get(&key(0)).await.unwrap();
+    store.delete(&key(0)).await.unwrap();
+    store.purge_expired(10).await.unwrap();
+
+    let one = Counts {
+        query: 0,
+        parse: 0,
+        bind: 1,
+        execute: 1,
+        sync: 1,
+    };
+    let mut report = Vec::new();
+    let (lease, c) = counted(&proxy, async {
+        store.acquire(&AcquireRequest::new(key(1), "w")).await
+    })
+    .await;
+    let lease = acquired(lease.unwrap());
+    report.push(("acquire (fresh)", c));
+    let (r, c) = counted(&proxy, async {
+        store.acquire(&AcquireRequest::new(key(1), "w2")).await
+    })
+    .await;
+    assert!(matches!(r, Ok(AcquireOutcome::InProgress { .. })), "{r:?}");
+    report.push(("acquire (busy)", c));
+    let (lease, c) = counted(&proxy, async {
+        store.extend(&lease, Duration::from_secs(30)).await
+    })
+    .await;
+    let lease = lease.unwrap();
+    report.push(("extend", c));
+    let (r, c) = counted(&proxy, async { store.release(&lease).await }).await;
+    r.unwrap();
+    report.push(("release", c));
+    let (lease, c) = counted(&proxy, async {
+        store.acquire(&AcquireRequest::new(key(1), "w")).await
+    })
+    .await;
+    let lease = acquired(lease.unwrap());
+    report.push(("acquire (after release)", c));
+    let (r, c) = counted(&proxy, async {
+        store.fail(&lease, "boom", true, RETENTION).await
+    })
+    .await;
+    r.unwrap();
+    report.push(("fail", c));
+    let (lease, c) = counted(&proxy, async {
+        store.acquire(&AcquireRequest::new(key(1), "w")).await
+    })
+    .await;
+    let lease = acquired(lease.unwrap());
+    report.push(("acquire (retry after failure)", c));
+    let (r, c) = counted(&proxy, async {
+        store
+            .complete(&lease, Bytes::from_static(b"done"), RETENTION)
+            .await
+    })
+    .await;
+    r.unwrap();
+    report.push(("complete", c));
+    let (r, c) = counted(&proxy, async {
+        store.acquire(&AcquireRequest::new(key(1), "w")).await
+    })
+    .await;
+    assert!(matches!(r, Ok(AcquireOutcome::Replayed { .. })), "{r:?}");
+    report.push(("acquire (duplicate: replay)", c));
+    let (r, c) = counted(&proxy, async {
+        store
+            .complete(&lease, Bytes::from_static(b"x"), RETENTION)
+            .await
+    })
+    .await;
+    assert!(matches!(r, Err(Error::LeaseLost { .. })), "{r:?}");
+    report.push(("complete (fenced out: LeaseLost)", c));
+    let (r, c) = counted(&proxy, async { store.get(&key(1)).await }).await;
+    r.unwrap().unwrap();
+    report.push(("get", c));
+    let (r, c) = counted(&proxy, async { store.delete(&key(1)).await }).await;
+    assert!(r.unwrap());
+    report.push(("delete", c));
+    let (r, c) = counted(&proxy, async { store.purge_expired(100).await }).await;
+    r.unwrap();
+    report.push(("purge_expired", c));
+
+    for (what, c) in &report {
+        println!("{what:32} {c:?}");
+    }
+    for (what, c) in &report {
+        assert_eq!(
+            *c, one,
+            "{what}: expected one statement in one round trip, got {c:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn sweeper_purges_in_batches_and_runs_concurrently() {
+    let schema = common::fresh_schema();
+    let store = common::store_with(common::config(&schema).with_table("sweep")).await;
+    let ns = ns();
+    let n = 250;
+    for i in 0..n {
+        let lease = acquired(
+            store
+                .acquire(&AcquireRequest::new(ns.key(format!("k{i}")).unwrap(), "w"))
+                .await
+                .unwrap(),
+        );
+        store
+            .complete(&lease, Bytes::from_static(b"r"), Duration::from_millis(1))
+            .await
+            .unwrap();
+    }
+    // One record that must survive.
+    let keep = acquired(
+        store
+            .acquire(&AcquireRequest::new(ns.key("keep").unwrap(), "w"))
+            .await
+            .unwrap(),
+    );
+    store
+        .complete(&keep, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    assert_eq!(store.purge_expired(0).await.unwrap(), 0);
+    assert_eq!(store.purge_expired(10).await.unwrap(), 10, "bounded batch");
+    // Four sweepers at once, small batches: together they delete each record exactly once.
+    let totals = futures::future::join_all((0..4).map(|_| {
+        let store = store.clone();
+        async move { store.sweep(7, 1_000).await.unwrap() }
+    }))
+    .await;
+    assert_eq!(totals.iter().sum::<u64>(), n - 10, "{totals:?}");
+    assert!(store.get(&keep.key).await.unwrap().is_some());
+
+    // The periodic helper.
+    let lease = acquired(
+        store
+            .acquire(&AcquireRequest::new(ns.key("late").unwrap(), "w"))
+            .await
+            .unwrap(),
+    );
+    store
+        .complete(&lease, Bytes::from_static(b"r"), Duration::from_millis(1))
+        .await
+        .unwrap();
+    let sweeper = store.spawn_sweeper(
+        SweeperConfig::default()
+            .with_interval(Duration::from_millis(20))
+            .with_batch(5),
+    );
+    let admin = common::admin().await;
+    let count = format!("SELECT count(*) FROM {}", store.qualified_table());
+    let mut left = i64::MAX;
+    for _ in 0..200 {
+        left = admin.query_one(&count, &[]).await.unwrap().get(0);
+        if left == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(left, 1, "only the retained record is left");
+    assert!(sweeper.shutdown().await >= 1);
+    admin
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn unreachable_server_fails_fast_with_unavailable() {
+    let store = PostgresStore::connect(
+        PostgresConfig::new("postgres://postgres@127.0.0.1:1/test")
+            .unwrap()
+            .with_connect_timeout(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap();
+    let key = ns().key("k").unwrap();
+    let started = Instant::now();
+    let r = store.acquire(&AcquireRequest::new(key, "w")).await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::Unavailable {
+                store: "postgres",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(r.unwrap_err().is_retryable());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// A server that accepts connections but never answers (the proxy frozen from the start), and
+/// one that stops answering mid-session: both end in `Unavailable` within the configured bounds.
+#[tokio::test]
+async fn silent_server_fails_fast_with_unavailable() {
+    let _ = common::store().await;
+    let proxy = Proxy::start(common::upstream_addr().await).await;
+    let store = PostgresStore::connect(
+        common::config_via(proxy.addr, common::run_schema())
+            .with_pool_size(1)
+            .with_connect_timeout(Duration::from_millis(500))
+            .with_statement_timeout(Duration::from_millis(500)),
+    )
+    .await
+    .unwrap();
+    let key = ns().key("k").unwrap();
+
+    proxy.freeze(true);
+    let started = Instant::now();
+    let r = store.get(&key).await;
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+
+    proxy.freeze(false);
+    store
+        .get(&key)
+        .await
+        .expect("works again once the server answers");
+    proxy.freeze(true);
+    let started = Instant::now();
+    let r = store.acquire(&AcquireRequest::new(key.clone(), "w")).await;
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    proxy.freeze(false);
+    // The timed-out connection was dropped, not reused half-read: the next call works.
+    let r = store.acquire(&AcquireRequest::new(key, "w")).await;
+    assert!(r.is_ok(), "{r:?}");
+}
+
+/// Killed backends (`pg_terminate_backend`, SQLSTATE 57P01) surface as retryable `Unavailable`,
+/// never `Backend`, and the pool recovers.
+#[tokio::test]
+async fn killed_connections_are_retryable() {
+    let app = format!("idem-kill-{:08x}", rand::random::<u32>());
+    let store = common::store_with(
+        common::config(common::run_schema())
+            .with_application_name(app.clone())
+            .with_pool_size(2),
+    )
+    .await;
+    let admin = common::admin().await;
+    let ns = ns();
+    let mut unavailable = 0;
+    for i in 0..20 {
+        let key = ns.key(format!("k{i}")).unwrap();
+        store.get(&key).await.ok(); // make sure a connection is open
+        admin
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+                &[&app],
+            )
+            .await
+            .unwrap();
+        match store.acquire(&AcquireRequest::new(key, "w")).await {
+            Ok(_) => {}
+            Err(e @ Error::Unavailable { .. }) => {
+                assert!(e.is_retryable());
+                unavailable += 1;
+            }
+            Err(e) => panic!("a killed connection must be Unavailable, got {e:?}"),
+        }
+    }
+    println!("{unavailable} of 20 calls hit the killed connection");
+    // The pool recovers: dead connections are dropped as they are found (each costs the caller
+    // one retryable error at most), and fresh ones are opened.
+    let key = ns.key("after").unwrap();
+    let mut outcome = None;
+    for _ in 0..3 {
+        match store.acquire(&AcquireRequest::new(key.clone(), "w")).await {
+            Ok(o) => {
+                outcome = Some(o);
+                break;
+            }
+            Err(e) => assert!(e.is_retryable(), "{e:?}"),
+        }
+    }
+    assert!(
+        matches!(outcome, Some(AcquireOutcome::Acquired { .. })),
+        "{outcome:?}"
+    );
+}
+
+#[tokio::test]
+async fn undecodable_row_is_corrupt_record() {
+    let schema = common::fresh_schema();
+    let store = common::store_with(common::config(&schema).with_table("corrupt")).await;
+    let admin = common::admin().await;
+    let ns = ns();
+    let key = ns.key("bad").unwrap();
+    admin
+        .batch_execute(&format!(
+            "ALTER TABLE {t} DROP CONSTRAINT corrupt_state_check; \
+             INSERT INTO {t} (namespace, id, state, token, owner, attempts, created_at, updated_at, \
+                expires_at) \
+             VALUES ('{ns}', 'bad', 'bogus', 1, 'x', 1, now(), now(), now() + interval '1 hour')",
+            t = store.qualified_table()
+        ))
+        .await
+        .unwrap();
+    let r = store.get(&key).await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::CorruptRecord {
+                store: "postgres",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = store.acquire(&AcquireRequest::new(key, "w")).await;
+    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
+    // An undecodable record past retention counts as absent, like any expired record.
+    admin
+        .batch_execute(&format!(
+            "INSERT INTO {t} (namespace, id, state, token, owner, attempts, created_at, updated_at, \
+                expires_at) \
+             VALUES ('{ns}', 'old', 'bogus', 1, 'x', 1, now(), now(), now() - interval '1 hour')",
+            t = store.qualified_table()
+        ))
+        .await
+        .unwrap();
+    let old = ns.key("old").unwrap();
+    assert_eq!(store.get(&old).await.unwrap(), None);
+    let r = store.acquire(&AcquireRequest::new(old, "w")).await;
+    assert!(
+        matches!(
+            r,
+            Ok(AcquireOutcome::Acquired {
+                takeover: false,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    admin
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn oversized_and_bad_input_write_nothing() {
+    let store = common::store_with(
+        common::config(common::run_schema())
+            .with_limits(idem_core::Limits::default().with_max_result_len(8)),
+    )
+    .await;
+    let key = ns().key("k").unwrap();
+    let lease = acquired(
+        store
+            .acquire(&AcquireRequest::new(key.clone(), "w"))
+            .await
+            .unwrap(),
+    );
+    let r = store
+        .complete(&lease, Bytes::from_static(b"123456789"), RETENTION)
+        .await;
+    assert!(
+        matches!(r, Err(Error::ResultTooLarge { len: 9, max: 8 })),
+        "{r:?}"
+    );
+    let r = store.extend(&lease, Duration::ZERO).await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::InvalidInput {
+                field: "lease_ttl",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = store
+        .acquire(&AcquireRequest::new(key.clone(), "w").with_max_attempts(0))
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::InvalidInput {
+                field: "max_attempts",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::InProgress);
+    assert_eq!(record.attempts, 1);
+    // An error message with NUL (which PostgreSQL text cannot hold) is still recorded.
+    store
+        .fail(&lease, "bad\0byte", false, RETENTION)
+        .await
+        .unwrap();
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(
+        record.state,
+        RecordState::Failed {
+            error: "bad\u{fffd}byte".into(),
+            retryable: false
+        }
+    );
+}
+
+/// The store's clock is the server's: a lease's end is server time + ttl, whatever the caller's
+/// clock says.
+#[tokio::test]
+async fn leases_use_the_server_clock() {
+    let store = common::store().await;
+    let admin = common::admin().await;
+    let key = ns().key("clock").unwrap();
+    let before: std::time::SystemTime = admin
+        .query_one("SELECT clock_timestamp()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let lease = acquired(
+        store
+            .acquire(&AcquireRequest::new(key.clone(), "w").with_lease_ttl(Duration::from_secs(10)))
+            .await
+            .unwrap(),
+    );
+    let after: std::time::SystemTime = admin
+        .query_one("SELECT clock_timestamp()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(lease.expires_at >= before + Duration::from_secs(10));
+    assert!(lease.expires_at <= after + Duration::from_secs(10));
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.lease_expires_at, Some(lease.expires_at));
+    assert!(record.created_at >= before && record.created_at <= after);
+    assert_eq!(record.expires_at, None);
+}
