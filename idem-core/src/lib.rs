@@ -6,6 +6,7 @@
 
 mod clock;
 mod error;
+pub mod executor;
 mod fingerprint;
 mod key;
 pub mod machine;
@@ -16,6 +17,10 @@ mod store;
 pub use bytes::Bytes;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BoxError, Error, Result};
+pub use executor::{
+    BrokerAction, ConfigError, Executor, ExecutorBuilder, ExecutorConfig, ExecutorError,
+    HandlerContext, HandlerError, KeySource, Message, Outcome, RawMessage,
+};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, MAX_ID_LEN, MAX_NAMESPACE_LEN, Namespace};
 pub use memory::{MemoryStore, SimulatedOutage};

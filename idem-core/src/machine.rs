@@ -63,10 +63,10 @@ pub fn acquire(
             },
         );
     };
-    if let (Some(stored), Some(asked)) = (record.fingerprint, req.fingerprint) {
-        if stored != asked {
-            return AcquireDecision::Keep(AcquireOutcome::Conflict);
-        }
+    if let (Some(stored), Some(asked)) = (record.fingerprint, req.fingerprint)
+        && stored != asked
+    {
+        return AcquireDecision::Keep(AcquireOutcome::Conflict);
     }
     let reacquire = |takeover: bool| {
         let lease = new_lease(req, next_token(), record.attempts + 1, now);

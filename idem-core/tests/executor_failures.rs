@@ -1,0 +1,565 @@
+//! Executor: handler errors and panics, poison messages, store outages, metrics.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use idem_core::executor::{
+    BrokerAction, DeadLetter, Executor, ExecutorConfig, ExecutorError, HandlerError, Outcome,
+    PassThroughReason, RawMessage, StoreErrorPolicy, StoreStage, metric_names,
+};
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Bytes, Error, IdempotencyKey, IdempotencyStore, Lease, Limits,
+    ManualClock, MemoryStore, Record, RecordState,
+};
+
+fn msg(key: &str) -> RawMessage {
+    RawMessage::new("{}").with_header("idempotency-key", key.to_owned())
+}
+
+async fn record(store: &dyn IdempotencyStore, exec: &Executor, id: &str) -> Record {
+    store
+        .get(&exec.namespace().key(id).unwrap())
+        .await
+        .unwrap()
+        .expect("record present")
+}
+
+#[tokio::test]
+async fn erroring_and_panicking_handlers_leave_the_key_reacquirable_then_dead_letter_once() {
+    let store = MemoryStore::new();
+    let letters: Arc<Mutex<Vec<DeadLetter>>> = Arc::default();
+    let exec = {
+        let letters = letters.clone();
+        Executor::builder(Arc::new(store.clone()))
+            .config(
+                ExecutorConfig::new("poison")
+                    .with_max_attempts(3)
+                    .with_retry_delay(Duration::from_millis(250)),
+            )
+            .on_dead_letter(move |dl| letters.lock().unwrap().push(dl.clone()))
+            .build()
+            .unwrap()
+    };
+    let runs = AtomicUsize::new(0);
+    let m = msg("bad-1");
+
+    // Attempt 1: an error (retryable by default, through `?`).
+    let r = exec
+        .run(&m, |ctx| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            assert_eq!(ctx.attempt(), 1);
+            async {
+                "x".parse::<u32>()?;
+                Ok(())
+            }
+        })
+        .await
+        .unwrap();
+    match &r {
+        Outcome::Retry {
+            attempt: 1,
+            error,
+            panicked: false,
+            retry_after,
+        } => {
+            assert!(error.contains("invalid digit"), "{error}");
+            assert_eq!(*retry_after, Duration::from_millis(250));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        r.action(),
+        BrokerAction::Retry {
+            after: Duration::from_millis(250)
+        }
+    );
+    let rec = record(&store, &exec, "bad-1").await;
+    assert_eq!((rec.state.name(), rec.attempts), ("failed_retryable", 1));
+
+    // Attempt 2: a panic. Re-acquirable, attempt counted, reported (not re-raised).
+    let r = exec
+        .run(&m, |ctx| async move {
+            assert_eq!(ctx.attempt(), 2);
+            if ctx.attempt() == 2 {
+                panic!("kaboom {}", ctx.attempt());
+            }
+            Ok::<(), HandlerError>(())
+        })
+        .await
+        .unwrap();
+    match &r {
+        Outcome::Retry {
+            attempt: 2,
+            error,
+            panicked: true,
+            ..
+        } => assert_eq!(error, "handler panicked: kaboom 2"),
+        other => panic!("{other:?}"),
+    }
+    let rec = record(&store, &exec, "bad-1").await;
+    assert_eq!(rec.attempts, 2);
+    assert_eq!(
+        rec.state,
+        RecordState::Failed {
+            error: "handler panicked: kaboom 2".into(),
+            retryable: true
+        }
+    );
+    assert!(letters.lock().unwrap().is_empty());
+
+    // Attempt 3 (the last): an error exhausts the key; the hook fires.
+    let r = exec
+        .run(&m, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(HandlerError::retryable("still broken"))
+        })
+        .await
+        .unwrap();
+    match &r {
+        Outcome::Exhausted {
+            attempts: 3,
+            last_error: Some(e),
+        } => assert_eq!(e, "still broken"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(r.action(), BrokerAction::DeadLetter { .. }));
+
+    // Later deliveries: exhausted, handler not run, hook not called again.
+    for _ in 0..3 {
+        let r = exec
+            .run(&m, |_| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), HandlerError>(())
+            })
+            .await
+            .unwrap();
+        assert!(
+            matches!(&r, Outcome::Exhausted { attempts: 3, last_error: Some(e) } if e == "still broken"),
+            "{r:?}"
+        );
+        assert!(matches!(r.action(), BrokerAction::DeadLetter { .. }));
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let letters = letters.lock().unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].key.id(), "bad-1");
+    assert_eq!(letters[0].attempts, 3);
+    assert_eq!(letters[0].last_error, "still broken");
+    assert!(!letters[0].panicked);
+}
+
+#[tokio::test]
+async fn a_panic_on_the_last_attempt_dead_letters_once_too() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let exec = {
+        let calls = calls.clone();
+        Executor::builder(Arc::new(store.clone()))
+            .config(ExecutorConfig::new("p").with_max_attempts(1))
+            .on_dead_letter(move |dl| {
+                assert!(dl.panicked);
+                calls.fetch_add(1, Ordering::SeqCst);
+            })
+            .build()
+            .unwrap()
+    };
+    for _ in 0..3 {
+        let r = exec
+            .run(&msg("k"), |_| async {
+                if true {
+                    panic!("always");
+                }
+                Ok::<u8, HandlerError>(0)
+            })
+            .await
+            .unwrap();
+        assert!(matches!(r, Outcome::Exhausted { attempts: 1, .. }), "{r:?}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// The documented gap: when the last attempt crashes (no failure recorded), every delivery gets
+/// `Exhausted` (and the dead-letter action) but the hook is not called.
+#[tokio::test]
+async fn a_crash_on_the_last_attempt_is_exhausted_without_the_hook() {
+    let clock = Arc::new(ManualClock::new(
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 30),
+    ));
+    let store = MemoryStore::with_clock(clock.clone());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let exec = {
+        let calls = calls.clone();
+        Executor::builder(Arc::new(store.clone()))
+            .config(
+                ExecutorConfig::new("c")
+                    .with_max_attempts(1)
+                    .with_lease_ttl(Duration::from_secs(10)),
+            )
+            .on_dead_letter(move |_| {
+                calls.fetch_add(1, Ordering::SeqCst);
+            })
+            .build()
+            .unwrap()
+    };
+    // "Crash": the caller drops the run future while the handler is pending.
+    let crashed = tokio::time::timeout(
+        Duration::from_millis(20),
+        exec.run(&msg("k"), |_| async {
+            std::future::pending::<()>().await;
+            Ok::<u8, HandlerError>(1)
+        }),
+    )
+    .await;
+    assert!(crashed.is_err());
+    clock.advance(Duration::from_secs(11));
+    let r = exec
+        .run(&msg("k"), |_| async { Ok::<u8, HandlerError>(1) })
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            r,
+            Outcome::Exhausted {
+                attempts: 1,
+                last_error: None
+            }
+        ),
+        "{r:?}"
+    );
+    assert!(matches!(r.action(), BrokerAction::DeadLetter { .. }));
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_store_that_is_down_fails_closed_by_default() {
+    let store = MemoryStore::new();
+    let exec = Executor::new(
+        Arc::new(store.clone()),
+        ExecutorConfig::new("down").with_retry_delay(Duration::from_millis(500)),
+    )
+    .unwrap();
+    store.set_available(false);
+    let runs = AtomicUsize::new(0);
+    let r = exec
+        .run(&msg("k"), |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<u8, HandlerError>(1)
+        })
+        .await;
+    match &r {
+        Err(ExecutorError::Store {
+            stage: StoreStage::Acquire,
+            handler_ran: false,
+            source: Error::Unavailable {
+                store: "memory", ..
+            },
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        BrokerAction::of(&r),
+        BrokerAction::Retry {
+            after: Duration::from_millis(500)
+        }
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "handler not run");
+
+    // Back up: processed normally.
+    store.set_available(true);
+    let r = exec
+        .run(&msg("k"), |_| async { Ok::<u8, HandlerError>(1) })
+        .await
+        .unwrap();
+    assert!(matches!(r, Outcome::Executed(1)), "{r:?}");
+}
+
+#[tokio::test]
+async fn fail_open_runs_the_handler_and_says_it_was_not_deduplicated() {
+    let store = MemoryStore::new();
+    let exec = Executor::new(
+        Arc::new(store.clone()),
+        ExecutorConfig::new("open").with_store_errors(StoreErrorPolicy::FailOpen),
+    )
+    .unwrap();
+    store.set_available(false);
+    let runs = AtomicUsize::new(0);
+    for _ in 0..2 {
+        let r = exec
+            .run(&msg("k"), |ctx| async move {
+                assert!(!ctx.is_deduplicated());
+                assert_eq!(ctx.key().unwrap().id(), "k");
+                assert!(ctx.token().is_none());
+                Ok::<u8, HandlerError>(7)
+            })
+            .await
+            .unwrap();
+        runs.fetch_add(1, Ordering::SeqCst);
+        match &r {
+            Outcome::NotDeduplicated {
+                result: Ok(7),
+                reason:
+                    PassThroughReason::StoreError {
+                        stage: StoreStage::Acquire,
+                        source: Error::Unavailable { .. },
+                    },
+                ..
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(!r.is_deduplicated());
+        assert_eq!(r.action(), BrokerAction::Ack);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    store.set_available(true);
+    assert!(store.is_empty());
+}
+
+#[tokio::test]
+async fn a_store_lost_while_the_handler_runs_is_reported_with_handler_ran() {
+    for policy in [StoreErrorPolicy::FailClosed, StoreErrorPolicy::FailOpen] {
+        let store = MemoryStore::new();
+        let exec = Executor::new(
+            Arc::new(store.clone()),
+            ExecutorConfig::new("mid").with_store_errors(policy),
+        )
+        .unwrap();
+        let down = store.clone();
+        let r = exec
+            .run(&msg("k"), |_| async move {
+                down.set_available(false);
+                Ok::<u8, HandlerError>(3)
+            })
+            .await;
+        match (policy, &r) {
+            (
+                StoreErrorPolicy::FailClosed,
+                Err(
+                    e @ ExecutorError::Store {
+                        stage: StoreStage::Complete,
+                        handler_ran: true,
+                        ..
+                    },
+                ),
+            ) => assert!(e.handler_ran()),
+            (
+                StoreErrorPolicy::FailOpen,
+                Ok(Outcome::NotDeduplicated {
+                    result: Ok(3),
+                    reason:
+                        PassThroughReason::StoreError {
+                            stage: StoreStage::Complete,
+                            ..
+                        },
+                    ..
+                }),
+            ) => {}
+            other => panic!("{other:?}"),
+        }
+        // The key stays in progress (until its lease expires).
+        store.set_available(true);
+        let rec = record(&store, &exec, "k").await;
+        assert_eq!(rec.state, RecordState::InProgress);
+    }
+}
+
+/// A store whose first `complete` takes effect but answers `Unavailable` (a lost reply).
+#[derive(Debug)]
+struct LostReply {
+    inner: MemoryStore,
+    lost: AtomicBool,
+}
+
+#[async_trait]
+impl IdempotencyStore for LostReply {
+    fn name(&self) -> &'static str {
+        "lost-reply"
+    }
+    fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+    async fn acquire(&self, req: &AcquireRequest) -> idem_core::Result<AcquireOutcome> {
+        self.inner.acquire(req).await
+    }
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> idem_core::Result<Lease> {
+        self.inner.extend(lease, ttl).await
+    }
+    async fn complete(
+        &self,
+        lease: &Lease,
+        result: Bytes,
+        retention: Duration,
+    ) -> idem_core::Result<()> {
+        self.inner.complete(lease, result, retention).await?;
+        if !self.lost.swap(true, Ordering::SeqCst) {
+            return Err(Error::unavailable("lost-reply", "reply lost"));
+        }
+        Ok(())
+    }
+    async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        retryable: bool,
+        retention: Duration,
+    ) -> idem_core::Result<()> {
+        self.inner.fail(lease, error, retryable, retention).await
+    }
+    async fn release(&self, lease: &Lease) -> idem_core::Result<()> {
+        self.inner.release(lease).await
+    }
+    async fn get(&self, key: &IdempotencyKey) -> idem_core::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &IdempotencyKey) -> idem_core::Result<bool> {
+        self.inner.delete(key).await
+    }
+    async fn purge_expired(&self, limit: usize) -> idem_core::Result<u64> {
+        self.inner.purge_expired(limit).await
+    }
+}
+
+#[tokio::test]
+async fn a_completion_whose_reply_was_lost_is_still_executed() {
+    let store = Arc::new(LostReply {
+        inner: MemoryStore::new(),
+        lost: AtomicBool::new(false),
+    });
+    let exec = Executor::new(store.clone(), ExecutorConfig::new("lost")).unwrap();
+    let r = exec
+        .run(&msg("k"), |_| async { Ok::<u8, HandlerError>(4) })
+        .await
+        .unwrap();
+    assert!(matches!(r, Outcome::Executed(4)), "{r:?}");
+    assert!(store.lost.load(Ordering::SeqCst));
+}
+
+/// Counts increments per metric name.
+#[derive(Default)]
+struct Counting(Arc<Mutex<HashMap<String, u64>>>);
+
+struct Count {
+    name: String,
+    counts: Arc<Mutex<HashMap<String, u64>>>,
+}
+
+impl metrics::CounterFn for Count {
+    fn increment(&self, value: u64) {
+        *self
+            .counts
+            .lock()
+            .unwrap()
+            .entry(self.name.clone())
+            .or_default() += value;
+    }
+    fn absolute(&self, _: u64) {}
+}
+
+impl metrics::Recorder for Counting {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        assert!(key.name().starts_with("idem_"), "{key:?}");
+        assert!(
+            key.labels()
+                .any(|l| l.key() == "namespace" && l.value() == "metered"),
+            "{key:?}"
+        );
+        metrics::Counter::from_arc(Arc::new(Count {
+            name: key.name().to_owned(),
+            counts: self.0.clone(),
+        }))
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+#[test]
+fn outcomes_are_counted() {
+    let recorder = Counting::default();
+    let counts = recorder.0.clone();
+    let clock = Arc::new(ManualClock::new(
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 30),
+    ));
+    let store = MemoryStore::with_clock(clock.clone());
+    let exec = Executor::new(
+        Arc::new(store.clone()),
+        ExecutorConfig::new("metered")
+            .with_max_attempts(2)
+            .with_lease_ttl(Duration::from_secs(10)),
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let token = Arc::new(AtomicU64::new(0));
+    metrics::with_local_recorder(&recorder, || {
+        rt.block_on(async {
+            let ok = |_| async { Ok::<u8, HandlerError>(1) };
+            exec.run(&msg("a"), ok).await.unwrap(); // executed
+            exec.run(&msg("a"), ok).await.unwrap(); // replayed
+            let conflict = RawMessage::new("other").with_header("idempotency-key", "a");
+            exec.run(&conflict, ok).await.unwrap(); // conflict
+            let fail = |_| async { Err::<u8, _>(HandlerError::retryable("e")) };
+            exec.run(&msg("b"), fail).await.unwrap(); // retryable failure
+            exec.run(&msg("b"), fail).await.unwrap(); // exhausted
+            // in progress, then a takeover
+            let t = token.clone();
+            let c = msg("c");
+            let held = exec.run(&c, move |ctx| async move {
+                t.store(ctx.token().unwrap().get(), Ordering::SeqCst);
+                std::future::pending::<()>().await;
+                Ok::<u8, HandlerError>(1)
+            });
+            let _ = tokio::time::timeout(Duration::from_millis(5), held).await;
+            exec.run(&msg("c"), ok).await.unwrap(); // in progress
+            clock.advance(Duration::from_secs(11));
+            exec.run(&msg("c"), ok).await.unwrap(); // takeover + executed
+            store.set_available(false);
+            let _ = exec.run(&msg("d"), ok).await; // store error
+            store.set_available(true);
+        });
+    });
+    let counts = counts.lock().unwrap();
+    let get = |name: &str| counts.get(name).copied().unwrap_or(0);
+    assert_eq!(get(metric_names::EXECUTED), 2, "{counts:?}");
+    assert_eq!(get(metric_names::REPLAYED), 1, "{counts:?}");
+    assert_eq!(get(metric_names::CONFLICTS), 1, "{counts:?}");
+    assert_eq!(get(metric_names::RETRYABLE_FAILURES), 1, "{counts:?}");
+    assert_eq!(get(metric_names::EXHAUSTED), 1, "{counts:?}");
+    assert_eq!(get(metric_names::IN_PROGRESS), 1, "{counts:?}");
+    assert_eq!(get(metric_names::TAKEOVERS), 1, "{counts:?}");
+    assert_eq!(get(metric_names::STORE_ERRORS), 1, "{counts:?}");
+    assert!(token.load(Ordering::SeqCst) > 0);
+}
