@@ -53,10 +53,10 @@ impl FlawedStore {
     fn decide(&self, existing: Option<&Record>, req: &AcquireRequest) -> AcquireDecision {
         let now = self.clock.now();
         let mut existing = existing.cloned();
-        if self.bug == Bug::IgnoresFingerprint {
-            if let Some(r) = existing.as_mut() {
-                r.fingerprint = None;
-            }
+        if self.bug == Bug::IgnoresFingerprint
+            && let Some(r) = existing.as_mut()
+        {
+            r.fingerprint = None;
         }
         let next = || FencingToken::new(self.tokens.fetch_add(1, Ordering::SeqCst) + 1);
         let decision = machine::acquire(existing.as_ref(), req, now, next);
