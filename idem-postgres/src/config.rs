@@ -59,7 +59,10 @@ pub struct PostgresConfig {
     /// so a server that stopped answering cannot hang a caller.
     pub statement_timeout: Duration,
     /// How long an acquire waits on a row lock held by another open transaction (a holder in
-    /// transactional mode) before answering `InProgress`.
+    /// transactional mode) before answering `InProgress` (and how long recording a failed
+    /// transactional attempt waits before reporting it as not recorded). Must be shorter than
+    /// [`statement_timeout`](Self::statement_timeout), or the statement timeout would cut the
+    /// wait first and the duplicate would get `Unavailable` instead of `InProgress`.
     pub lock_timeout: Duration,
     /// `application_name` of the pooled connections, visible in `pg_stat_activity`.
     pub application_name: String,
@@ -195,8 +198,8 @@ impl PostgresConfig {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] naming the field: `schema`, `table`, `pool_size`,
-    /// `connect_timeout`, `pool_wait_timeout`, `statement_timeout`, `lock_timeout` or
-    /// `application_name`.
+    /// `connect_timeout`, `pool_wait_timeout`, `statement_timeout`, `lock_timeout` (also when it
+    /// is not shorter than `statement_timeout`) or `application_name`.
     pub fn validate(&self) -> Result<()> {
         check_identifier("schema", &self.schema, MAX_SCHEMA_LEN)?;
         if self.schema.starts_with("pg_") {
@@ -221,6 +224,17 @@ impl PostgresConfig {
                     format!("is {d:?}; it must be between 1ms and 24h"),
                 ));
             }
+        }
+        if self.lock_timeout >= self.statement_timeout {
+            return Err(Error::invalid(
+                "lock_timeout",
+                format!(
+                    "is {:?}; it must be shorter than statement_timeout ({:?}), so that a wait \
+                     on a key held by an open transaction ends in InProgress, not in a \
+                     statement timeout",
+                    self.lock_timeout, self.statement_timeout
+                ),
+            ));
         }
         if self.application_name.len() > 63
             || !self
@@ -319,6 +333,30 @@ mod tests {
                 })
             ),
             "{r:?}"
+        );
+        for (lock, statement) in [(5_000, 5_000), (6_000, 5_000)] {
+            let r = c
+                .clone()
+                .with_lock_timeout(Duration::from_millis(lock))
+                .with_statement_timeout(Duration::from_millis(statement))
+                .validate();
+            assert!(
+                matches!(
+                    r,
+                    Err(Error::InvalidInput {
+                        field: "lock_timeout",
+                        ..
+                    })
+                ),
+                "{lock} {statement}: {r:?}"
+            );
+        }
+        assert!(
+            c.clone()
+                .with_lock_timeout(Duration::from_millis(4_999))
+                .with_statement_timeout(Duration::from_millis(5_000))
+                .validate()
+                .is_ok()
         );
         let r = c.with_lock_timeout(Duration::ZERO).validate();
         assert!(

@@ -74,6 +74,14 @@
 //! over its whole life, across deletes, expiry and purges. (They are also increasing across keys,
 //! which the contract allows.)
 //!
+//! When an acquisition overwrites an existing record (a takeover, a retry, a re-acquisition past
+//! retention) its token is drawn in `ON CONFLICT ... DO UPDATE SET`, that is after it holds the
+//! row lock, so it is greater than the token of any holder that had the row locked meanwhile,
+//! including a holder in [transactional mode](transactional) that handed its token to another
+//! system and then rolled back. A freshly inserted record keeps the token drawn before its insert: if that
+//! insert waited on a concurrent, still uncommitted insert of the same key which then rolled back,
+//! the new record's token may be smaller than that rolled-back one (which was never committed).
+//!
 //! # Clock
 //!
 //! Leases and retention are judged on the server's clock, read once per statement as

@@ -112,6 +112,23 @@ impl Sql {
         // it lasts for this statement only. `clk` is materialized and is the row source of the
         // INSERT, so it runs before any lock is requested.
         //
+        // Token order: the overwrite draws its token with its own `nextval` in `DO UPDATE SET`,
+        // which runs only once the row lock is held. A token drawn before a wait (the INSERT's
+        // `nextval` is evaluated before the conflict check) could be older than the token of a
+        // transactional holder that held the lock meanwhile, handed its token to an external
+        // system and rolled back; drawn after the lock, the new token is greater than every
+        // token any earlier holder of the row could have seen. (The INSERT's value is then
+        // unused: the sequence has a gap, which is allowed.) The remaining property of the
+        // insert path: a fresh row keeps the token drawn before the insert, so when the insert
+        // waited on a concurrent transaction inserting the same key, which then rolled back, the
+        // new record's token can be smaller than the rolled-back (never committed) one. Tokens
+        // of committed records still strictly increase per key.
+        //
+        // `up` returns `(xmax = 0) AS inserted`: true for a freshly inserted row, false for an
+        // overwritten one (whose new version carries this transaction's lock in `xmax`), so the
+        // caller can tell a takeover from an insert even when a concurrent delete removed the
+        // record `old` saw.
+        //
         // Params: $1 namespace, $2 id, $3 fingerprint, $4 owner, $5 lease (µs), $6 max attempts,
         // $7 lock timeout (ms, as text).
         let gone = "r.expires_at <= excluded.created_at";
@@ -131,7 +148,7 @@ impl Sql {
                 ON CONFLICT (namespace, id) DO UPDATE SET \
                     state = 'in_progress', \
                     fingerprint = CASE WHEN {gone} THEN excluded.fingerprint ELSE r.fingerprint END, \
-                    token = excluded.token, \
+                    token = nextval({seq}), \
                     owner = excluded.owner, \
                     attempts = CASE WHEN {gone} THEN 1 ELSE r.attempts + 1 END, \
                     lease_expires_at = excluded.lease_expires_at, \
@@ -141,9 +158,10 @@ impl Sql {
                     updated_at = excluded.updated_at, \
                     expires_at = NULL \
                 WHERE r.ctid = (SELECT old.tid FROM old) AND {new_may} \
-                RETURNING r.token, r.attempts, r.lease_expires_at) \
+                RETURNING r.token, r.attempts, r.lease_expires_at, (r.xmax = 0) AS inserted) \
              SELECT clk.now, up.token AS new_token, up.attempts AS new_attempts, \
-                up.lease_expires_at AS new_lease_expires_at, old.tid IS NOT NULL AS found, \
+                up.lease_expires_at AS new_lease_expires_at, up.inserted AS new_inserted, \
+                old.tid IS NOT NULL AS found, \
                 old.state, old.fingerprint, old.token, old.owner, old.attempts, \
                 old.lease_expires_at, old.result, old.error, old.created_at, old.updated_at, \
                 old.expires_at \
@@ -229,11 +247,19 @@ impl Sql {
         // Transactional mode: after a handler error rolled back the acquisition, counts the
         // attempt as failed, in one statement outside that transaction, when the key is still in
         // the state that allowed the acquisition (otherwise someone else has moved it on and
-        // their state stands). A fresh token keeps tokens strictly increasing.
+        // their state stands). A fresh token, drawn in `DO UPDATE SET` after the row lock (as in
+        // acquire), keeps tokens strictly increasing.
+        //
+        // Like acquire, it bounds its wait on a row locked by an open transaction with
+        // `set_config('lock_timeout', $9, true)` (statement-local in autocommit): a lock timeout
+        // (`55P03`) means someone else holds the key right now, so the attempt is definitely not
+        // counted, which the caller reports as "not recorded" rather than waiting until the
+        // statement timeout.
         // Params: $1 namespace, $2 id, $3 fingerprint, $4 owner, $5 error, $6 retryable,
-        // $7 retention (µs), $8 max attempts.
+        // $7 retention (µs), $8 max attempts, $9 lock timeout (ms, as text).
         let record_failure = format!(
-            "WITH clk AS MATERIALIZED (SELECT clock_timestamp() AS now) \
+            "WITH clk AS MATERIALIZED (\
+                SELECT clock_timestamp() AS now, set_config('lock_timeout', $9::text, true) AS lt) \
              INSERT INTO {t} AS r (namespace, id, state, fingerprint, token, owner, attempts, \
                 lease_expires_at, result, error, created_at, updated_at, expires_at) \
              SELECT $1::text, $2::text, \
@@ -244,7 +270,7 @@ impl Sql {
              ON CONFLICT (namespace, id) DO UPDATE SET \
                 state = excluded.state, \
                 fingerprint = CASE WHEN {gone} THEN excluded.fingerprint ELSE r.fingerprint END, \
-                token = excluded.token, \
+                token = nextval({seq}), \
                 owner = excluded.owner, \
                 attempts = CASE WHEN {gone} THEN 1 ELSE r.attempts + 1 END, \
                 lease_expires_at = NULL, \
@@ -316,6 +342,7 @@ impl Sql {
                     T::BOOL,
                     T::INT8,
                     T::INT8,
+                    T::TEXT,
                 ],
             },
         }

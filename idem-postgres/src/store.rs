@@ -426,7 +426,11 @@ pub(crate) fn acquire_outcome(
         // old record may have been past retention and undecodable, and was overwritten anyway.
         let old_state: Option<String> = column(row, "state", key)?;
         let old_expires_at: Option<SystemTime> = column(row, "expires_at", key)?;
-        let takeover = found
+        // `inserted`: the statement inserted a fresh row (the record `old` saw, if any, was
+        // deleted concurrently), so nothing was taken over.
+        let inserted: bool = column(row, "new_inserted", key)?;
+        let takeover = !inserted
+            && found
             && old_state.as_deref() == Some("in_progress")
             && old_expires_at.is_none_or(|at| at > now);
         return Ok(Some(AcquireOutcome::Acquired {

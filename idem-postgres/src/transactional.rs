@@ -184,7 +184,10 @@ pub enum TxOutcome {
         /// Whether it was recorded as retryable.
         retryable: bool,
         /// Whether the failed attempt was recorded. `false` when, between the rollback and the
-        /// recording, another worker acquired or finished the key: its state stands.
+        /// recording, another worker acquired or finished the key: its state stands. Also `false`
+        /// when another transaction held the key locked for longer than
+        /// [`lock_timeout`](crate::PostgresConfig::lock_timeout) (a duplicate in transactional
+        /// mode took it over): the attempt was not counted, because someone else holds it now.
         recorded: bool,
     },
     /// The key was not acquired, so the handler did not run and nothing was written: the acquire
@@ -506,6 +509,10 @@ impl PostgresStore {
 
     /// Counts a failed attempt after the transaction that held it rolled back: one statement, in
     /// autocommit, applied only if the key is still acquirable. Returns whether it was applied.
+    ///
+    /// The statement waits at most `lock_timeout` on a row locked by an open transaction. A lock
+    /// timeout is a definite outcome, not an unavailable store: someone else holds the key now
+    /// (their state will stand), and the attempt was not counted, so it returns `Ok(false)`.
     async fn record_failure(
         &self,
         client: &Client,
@@ -520,7 +527,7 @@ impl PostgresStore {
         let fingerprint: Option<&[u8]> = req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]);
         let retention_us = micros(retention);
         let max_attempts = i64::from(req.max_attempts);
-        let params: [&(dyn ToSql + Sync); 8] = [
+        let params: [&(dyn ToSql + Sync); 9] = [
             &req.key.namespace().as_str(),
             &req.key.id(),
             &fingerprint,
@@ -529,12 +536,16 @@ impl PostgresStore {
             &retryable,
             &retention_us,
             &max_attempts,
+            &self.inner.lock_timeout_ms,
         ];
         let run = async {
             let prepared = cache.prepare_typed(client, &stmt.sql, stmt.types).await?;
             client.execute(&prepared, &params).await
         };
-        let n = bounded(self.inner.op_timeout, run).await?;
-        Ok(n > 0)
+        match bounded(self.inner.op_timeout, run).await {
+            Ok(n) => Ok(n > 0),
+            Err(e) if is_lock_timeout(&e) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 }

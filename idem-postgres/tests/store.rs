@@ -472,6 +472,7 @@ async fn silent_server_fails_fast_with_unavailable() {
         common::config_via(proxy.addr, common::run_schema())
             .with_pool_size(1)
             .with_connect_timeout(Duration::from_millis(500))
+            .with_lock_timeout(Duration::from_millis(200))
             .with_statement_timeout(Duration::from_millis(500)),
     )
     .await

@@ -745,3 +745,63 @@ async fn lock_timeout_is_restored_for_business_statements() {
     );
     tx.commit().await.unwrap();
 }
+
+/// Recording a failed attempt waits at most the lock timeout on a key another transaction holds:
+/// the attempt is then reported as not recorded (a definite outcome), not as `Unavailable` after
+/// the statement timeout, and the holder's state stands.
+#[tokio::test]
+async fn record_failure_gives_up_after_the_lock_timeout() {
+    let lock_timeout = Duration::from_millis(300);
+    let store = common::store_with(
+        common::config(common::run_schema())
+            .with_lock_timeout(lock_timeout)
+            .with_statement_timeout(Duration::from_secs(5)),
+    )
+    .await;
+    let key = ns().key("locked-after-rollback").unwrap();
+    let req = AcquireRequest::new(key.clone(), "w1");
+    // An existing, acquirable record, so there is a row to lock.
+    let AcquireOutcome::Acquired { lease, .. } = store.acquire(&req).await.unwrap() else {
+        panic!("first acquire");
+    };
+    store.release(&lease).await.unwrap();
+
+    // The caller's transaction locks the row before the savepoint, so the lock outlives the
+    // handler's rollback and the failure is recorded (on another connection) while it is held.
+    let mut client = store.pool().get().await.unwrap();
+    let mut tx = client.transaction().await.unwrap();
+    let lock_sql = format!(
+        "SELECT 1 FROM \"{}\".\"records\" WHERE namespace = $1 AND id = $2 FOR UPDATE",
+        common::run_schema()
+    );
+    let locked = tx
+        .query(&lock_sql, &[&key.namespace().as_str(), &key.id()])
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 1);
+
+    let started = Instant::now();
+    let outcome = store
+        .transactional_in(&mut tx, &req, RETENTION, |_, _| {
+            Box::pin(async { Err(HandlerError::retryable("downstream said no")) })
+        })
+        .await
+        .unwrap();
+    let waited = started.elapsed();
+    assert_eq!(
+        outcome,
+        TxOutcome::HandlerFailed {
+            error: "downstream said no".into(),
+            retryable: true,
+            recorded: false
+        }
+    );
+    assert!(waited >= lock_timeout, "it waited for the lock: {waited:?}");
+    assert!(waited < Duration::from_secs(4), "{waited:?}");
+
+    tx.rollback().await.unwrap();
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Released);
+    assert_eq!(record.attempts, 0, "the attempt was not counted");
+    assert_eq!(record.token, lease.token, "the record was not touched");
+}
