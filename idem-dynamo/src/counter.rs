@@ -10,7 +10,7 @@ use aws_sdk_dynamodb::error::BoxError;
 use aws_smithy_runtime_api::client::orchestrator::Metadata;
 
 /// Counts the HTTP requests a [`DynamoStore`](crate::DynamoStore) sends, by DynamoDB operation
-/// (`UpdateItem`, `GetItem`, `DeleteItem`, ...).
+/// (`UpdateItem`, `GetItem`, ...).
 ///
 /// An SDK interceptor increments it right before each request goes on the wire, so SDK retries
 /// count as the separate requests they are. Cloning shares the counts.

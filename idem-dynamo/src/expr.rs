@@ -23,13 +23,17 @@ pub(crate) const ACQUIRE_UPDATE: &str = "SET #state = :in_progress, \
      #lease_expires_us = :lease, \
      #updated_us = :now, \
      #namespace = :namespace, \
-     #id = :id \
+     #id = :id, \
+     #acq_id = :acq_id, \
+     #acq_prev = if_not_exists(#state, :absent) \
      REMOVE #result, #error, #expires_us, #ttl, #final_attempts, #final_created_us, #final_fingerprint";
 
-/// The rows of the contract table where acquire writes. An item past retention is only taken
+/// The rows of the contract table where acquire writes. An item without `state` is a tombstone
+/// left by [`DELETE_UPDATE`]: absent, taken fresh (the token counts on from it). An item past retention is only taken
 /// fresh here when it is final (no `attempts`): a failed-retryable item past retention still has
 /// its live attributes and is re-created by [`REFRESH_UPDATE`] instead.
 const ACQUIRE_WRITE_ROWS: &str = "attribute_not_exists(#pk) \
+     OR attribute_not_exists(#state) \
      OR (#expires_us <= :now AND attribute_not_exists(#attempts)) \
      OR (FP #attempts < :max AND ( \
            (#state = :in_progress AND #lease_expires_us <= :now) \
@@ -63,11 +67,23 @@ pub(crate) const REFRESH_UPDATE: &str = "SET #state = :in_progress, \
      #lease_expires_us = :lease, \
      #updated_us = :now, \
      #namespace = :namespace, \
-     #id = :id \
+     #id = :id, \
+     #acq_id = :acq_id, \
+     #acq_prev = if_not_exists(#state, :absent) \
      REMOVE #result, #error, #expires_us, #ttl, #final_attempts, #final_created_us, #final_fingerprint";
 
 pub(crate) const REFRESH_CONDITION: &str =
     "#token = :seen AND #state = :failed_retryable AND #expires_us <= :now";
+
+/// `delete`: a tombstone keeps only the key and the token (so the next acquire counts on from
+/// it instead of restarting from a client clock) and a TTL a week ahead, after which DynamoDB
+/// removes it. Only an existing item is touched.
+pub(crate) const DELETE_UPDATE: &str = "SET #ttl = :ttl \
+     REMOVE #state, #owner, #attempts, #created_us, #fingerprint, #final_attempts, \
+     #final_created_us, #final_fingerprint, #lease_expires_us, #updated_us, #expires_us, \
+     #result, #error, #namespace, #id, #acq_id, #acq_prev";
+
+pub(crate) const DELETE_CONDITION: &str = "attribute_exists(#pk)";
 
 /// Every fenced transition: the item exists, is in progress, carries the lease's token and is not
 /// past retention.
@@ -192,6 +208,8 @@ mod tests {
             attr::TTL,
             attr::RESULT,
             attr::ERROR,
+            attr::ACQ_ID,
+            attr::ACQ_PREV,
         ];
         let condition = acquire_condition(true);
         let all = [
@@ -205,6 +223,8 @@ mod tests {
             FAIL_TERMINAL_UPDATE,
             FAIL_RETRYABLE_UPDATE,
             RELEASE_UPDATE,
+            DELETE_UPDATE,
+            DELETE_CONDITION,
         ];
         for name in names(&all).values() {
             assert!(known.contains(&name.as_str()), "{name}");

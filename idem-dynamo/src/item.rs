@@ -44,6 +44,12 @@ pub(crate) mod attr {
     pub(crate) const TTL: &str = "ttl";
     pub(crate) const RESULT: &str = "result";
     pub(crate) const ERROR: &str = "error";
+    /// Random id of the acquire call that wrote the current acquisition, so that call can tell
+    /// its own earlier write from another's when the SDK retried it.
+    pub(crate) const ACQ_ID: &str = "acq_id";
+    /// The state the item had before that acquisition (`absent` for none), to report `takeover`
+    /// for a retried acquire.
+    pub(crate) const ACQ_PREV: &str = "acq_prev";
 }
 
 /// Values of the `state` attribute ([`RecordState::name`]).
@@ -53,6 +59,8 @@ pub(crate) mod state {
     pub(crate) const COMPLETED: &str = "completed";
     pub(crate) const FAILED_RETRYABLE: &str = "failed_retryable";
     pub(crate) const FAILED_TERMINAL: &str = "failed_terminal";
+    /// Not a state: the value of `acq_prev` when the item had no state (absent or tombstone).
+    pub(crate) const ABSENT: &str = "absent";
 }
 
 /// The partition key of `key`. Namespaces cannot contain `:`, so the first `:` separates the
@@ -97,6 +105,12 @@ pub(crate) fn null() -> AttributeValue {
 /// The stored form of an optional fingerprint.
 pub(crate) fn fingerprint_value(fp: Option<&Fingerprint>) -> AttributeValue {
     fp.map_or_else(null, |fp| b(fp.as_bytes().to_vec()))
+}
+
+/// Whether `item` is a tombstone left by `delete` (no `state`): every operation treats it as
+/// absent.
+pub(crate) fn is_tombstone(item: &Item) -> bool {
+    matches!(item.get(attr::STATE), None | Some(AttributeValue::Null(_)))
 }
 
 /// Reads items for one key, naming the key in every error.

@@ -39,7 +39,7 @@
 //! | record past retention (completed or failed terminally) | 1 `UpdateItem` |
 //! | extend, complete, fail, release | 1 `UpdateItem` each |
 //! | record failed *retryably* and past retention | 2 `UpdateItem` (see below) |
-//! | `get` / `delete` (operators) | 1 `GetItem` / 1 `DeleteItem` |
+//! | `get` / `delete` (operators) | 1 `GetItem` / 1 `UpdateItem` (a tombstone, see below) |
 //!
 //! The SDK's own retries (throttling, timeouts, 5xx) are extra requests and are counted too.
 //!
@@ -67,18 +67,28 @@
 //! | attribute | type | present |
 //! |---|---|---|
 //! | `pk` (partition key) | S | always: `{namespace}:{id}`. Namespaces are limited to `[A-Za-z0-9._-]`, so the first `:` separates them from the id and keys never collide; the id is stored as sent |
-//! | `namespace`, `id` | S | always, for operators (and for a global secondary index if you want one) |
-//! | `state` | S | always: `in_progress`, `released`, `completed`, `failed_retryable`, `failed_terminal` |
+//! | `namespace`, `id` | S | always but in a tombstone, for operators (and for a global secondary index if you want one) |
+//! | `state` | S | always but in a tombstone: `in_progress`, `released`, `completed`, `failed_retryable`, `failed_terminal` |
 //! | `token` | N | always: the current fencing token |
-//! | `owner` | S | always: the last owner that acquired the key |
+//! | `owner` | S | always but in a tombstone: the last owner that acquired the key |
 //! | `attempts`, `created_us`, `fingerprint` | N, N, B or NULL | while the record can be acquired again |
 //! | `final_attempts`, `final_created_us`, `final_fingerprint` | N, N, B or NULL | once completed or failed terminally |
 //! | `lease_expires_us` | N | while in progress |
-//! | `updated_us` | N | always |
+//! | `updated_us` | N | always but in a tombstone |
 //! | `expires_us` | N | once completed or failed: the retention deadline |
-//! | `ttl` | N | with `expires_us`: the same deadline in epoch seconds, the table's TTL attribute |
+//! | `ttl` | N | with `expires_us`: the same deadline in epoch seconds, the table's TTL attribute; in a tombstone, a week after the delete |
 //! | `result` | B | when completed |
 //! | `error` | S | when failed |
+//! | `acq_id` | S | once acquired: a random id of the `acquire` call that wrote the acquisition |
+//! | `acq_prev` | S | once acquired: the state before that acquisition (`absent` when there was none) |
+//!
+//! A **tombstone** is what [`delete`](idem_core::IdempotencyStore::delete) leaves: `pk`, `token`
+//! and `ttl` only. Every operation treats an item without `state` as absent (`get` returns
+//! `None`, `delete` returns `false`, fenced transitions fail with
+//! [`LeaseLost`](idem_core::Error::LeaseLost) and no current token), and the next acquire creates
+//! a fresh record (attempt 1) whose token is the tombstone's plus one. The tombstone's `ttl` is
+//! set 7 days after the delete (on the deleting client's clock), after which DynamoDB's TTL
+//! removes it.
 //!
 //! Times are microseconds since the Unix epoch. A fingerprint stored as NULL means the caller
 //! opted out: such a record never conflicts.
@@ -125,8 +135,8 @@
 //! }
 //! ```
 //!
-//! The store needs `dynamodb:UpdateItem` (hot path), `dynamodb:GetItem` and
-//! `dynamodb:DeleteItem` (operators) on the table; the helper also needs `CreateTable`,
+//! The store needs `dynamodb:UpdateItem` (every transition, and `delete`) and
+//! `dynamodb:GetItem` (`get`) on the table; the helper also needs `CreateTable`,
 //! `DescribeTable`, `DescribeTimeToLive` and `UpdateTimeToLive`.
 //!
 //! # Clock and skew
@@ -143,21 +153,30 @@
 //!   over while its holder still believes it has `ε` left. Fencing makes that safe: the old
 //!   holder's `complete`/`fail`/`extend`/`release` are refused with
 //!   [`LeaseLost`](idem_core::Error::LeaseLost), and downstream writes fenced by token refuse its
-//!   stale token. Skew costs duplicate *work*, never a duplicate *effect*. Heartbeats at a
-//!   fraction of the lease keep a live holder well clear of this.
-//! - Retention likewise ends `ε` early or late for a skewed consumer.
+//!   stale token. For *leases*, skew costs duplicate *work*, never a duplicate *effect*.
+//!   Heartbeats at a fraction of the lease keep a live holder well clear of this.
+//! - For *retention* it is worse: skew **can** cause a duplicate effect. Retention ends `ε`
+//!   early for a consumer whose clock runs `ε` ahead, and a completed (or terminally failed)
+//!   record then counts as absent for it. If `ε` exceeds the retention that record has left,
+//!   that consumer acquires the key afresh with a legitimately higher token and runs the work a
+//!   second time; fencing cannot catch this, because nothing about the new lease is stale.
+//!   Choose a retention much longer than any plausible skew (hours or days against skew of
+//!   milliseconds to seconds) and longer than the window in which duplicates can arrive, and
+//!   keep the clocks synchronised.
 //! - `retry_after` reported for a busy key is measured on the asking consumer's clock.
 //!
 //! # Fencing tokens
 //!
 //! While the item exists, every acquisition sets `token = token + 1` inside the conditional
-//! update (atomic, no read). When there is no item (first use of a key, or after an operator
-//! delete or DynamoDB's TTL removed it), the token starts at the client clock in microseconds
-//! plus one. Tokens are therefore strictly increasing per key as long as the clock of the client
-//! that re-creates a deleted key is not behind the clock of the client that created it by more
-//! than the time between that creation and the re-creation (less one microsecond per
-//! acquisition in between): a deletion followed within seconds by a re-creation needs clocks
-//! agreeing within those seconds; after a TTL deletion (days) the margin is days. A separate,
+//! update (atomic, no read). An operator [`delete`](idem_core::IdempotencyStore::delete) keeps
+//! the item as a tombstone holding the token, so a key re-created after a delete counts on from
+//! it, whatever the clocks say. Only when there is no item at all (first use of a key, or after
+//! DynamoDB's TTL removed a record past retention or a tombstone a week old) does the token
+//! start at the client clock in microseconds plus one. Tokens are therefore strictly increasing
+//! per key as long as the clock of the client that re-creates a key is not behind the clock of
+//! the client that created it by more than the time between that creation and the re-creation
+//! (less one microsecond per acquisition in between): after a TTL deletion the margin is at
+//! least the retention, or a week after a delete. A separate,
 //! never-deleted counter item per key would drop that assumption but cost a second request on
 //! every acquire, which this crate does not pay.
 //!
@@ -168,7 +187,7 @@
 //! and `ttl` in epoch seconds, so that DynamoDB deletes the item eventually (typically within
 //! days; TTL deletes are free). [`purge_expired`](idem_core::IdempotencyStore::purge_expired) is
 //! therefore a no-op. Records in progress or released carry no deadline and are kept until they
-//! finish or an operator deletes them.
+//! finish or an operator deletes them (which leaves a tombstone for a week, see the item layout).
 //!
 //! # Limits
 //!
@@ -191,9 +210,13 @@
 //!
 //! When the SDK retries a fenced transition whose first attempt did take effect (the answer was
 //! lost), the retry's condition fails; the store recognises its own earlier write in the
-//! returned item (same token, same outcome) and reports success. A retried *acquire* whose first
-//! attempt took effect reports [`InProgress`](idem_core::AcquireOutcome::InProgress) with the
-//! caller as owner: the key is taken over once that lease expires (counted as an attempt).
+//! returned item (same token, same outcome) and reports success. Acquire does the same: each
+//! `acquire` call writes a random `acq_id` (and the state it replaced, `acq_prev`) with its
+//! acquisition, and when a retried request is refused by an item in progress under that
+//! `acq_id`, the call reports [`Acquired`](idem_core::AcquireOutcome::Acquired) with the lease
+//! its first attempt wrote (token, attempt, lease deadline and `takeover` as stored): no attempt
+//! is counted twice. An acquire that keeps losing races against other writers gives up after a
+//! few conditional writes with a retryable [`Error::Unavailable`](idem_core::Error::Unavailable).
 //!
 //! # Testing against DynamoDB Local or LocalStack
 //!

@@ -25,9 +25,12 @@ use crate::counter::{AttemptCounter, RequestCounter};
 use crate::error::map_sdk_error;
 use crate::expr;
 use crate::item::{
-    Decoder, Item, attr, b, fingerprint_value, from_micros, micros, n, null, partition_key, s,
-    state, ttl_seconds,
+    Decoder, Item, attr, b, fingerprint_value, from_micros, is_tombstone, micros, n, null,
+    partition_key, s, state, ttl_seconds,
 };
+
+/// How long a tombstone left by `delete` is kept (DynamoDB's TTL removes it after that): a week.
+const TOMBSTONE_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// How many conditional writes one acquire may send before giving up. Two are enough unless other
 /// writers keep changing the item in between.
@@ -64,7 +67,8 @@ enum Written {
     Refused(Option<Item>),
 }
 
-/// Why an acquire gave up (surfaces as the source of [`Error::Backend`]).
+/// Why an acquire gave up: other writers kept changing the item (contention). Surfaces as the
+/// source of a retryable [`Error::Unavailable`].
 #[derive(Debug, thiserror::Error)]
 #[error("acquire did not settle after {MAX_ACQUIRE_ROUNDS} conditional writes")]
 struct AcquireDidNotSettle;
@@ -224,6 +228,7 @@ impl DynamoStore {
         let now = from_micros(now_us);
         let current = match old {
             None => None,
+            Some(item) if is_tombstone(&item) => None,
             Some(item) => {
                 let record = Decoder::new(&item, &lease.key).record()?;
                 if attempts.retried() && record.token == lease.token && already_done(&record) {
@@ -260,7 +265,11 @@ impl IdempotencyStore for DynamoStore {
         // Set when the item is a failed-retryable record past retention: re-create it fresh,
         // compare-and-swapped on this token.
         let mut refresh: Option<FencingToken> = None;
+        // Marks the items this call writes, so that a retried request can recognise its own
+        // earlier, successful attempt.
+        let acq_id = uuid::Uuid::new_v4().simple().to_string();
         for _ in 0..MAX_ACQUIRE_ROUNDS {
+            let attempts = AttemptCounter::default();
             let (now_us, now) = self.now();
             let lease_end = now_us.saturating_add(lease_us);
             let mut values = vec![
@@ -277,6 +286,8 @@ impl IdempotencyStore for DynamoStore {
                 ("released", s(state::RELEASED)),
                 ("failed_retryable", s(state::FAILED_RETRYABLE)),
                 ("null_type", s("NULL")),
+                ("acq_id", s(acq_id.as_str())),
+                ("absent", s(state::ABSENT)),
             ];
             let written = match refresh.take() {
                 None => {
@@ -287,7 +298,7 @@ impl IdempotencyStore for DynamoStore {
                         &condition,
                         values,
                         ReturnValue::UpdatedOld,
-                        None,
+                        Some(&attempts),
                     )
                     .await?
                 }
@@ -300,7 +311,7 @@ impl IdempotencyStore for DynamoStore {
                             expr::REFRESH_CONDITION,
                             values,
                             ReturnValue::None,
-                            None,
+                            Some(&attempts),
                         )
                         .await?
                     {
@@ -336,8 +347,15 @@ impl IdempotencyStore for DynamoStore {
                 }
                 // The item vanished between the evaluation and the answer: try again.
                 Written::Refused(None) => continue,
+                // Another delete left a tombstone in between: absent, go again.
+                Written::Refused(Some(item)) if is_tombstone(&item) => continue,
                 Written::Refused(Some(item)) => item,
             };
+            if attempts.retried()
+                && let Some(outcome) = own_acquisition(&item, req, &acq_id)?
+            {
+                return Ok(outcome);
+            }
             let record = Decoder::new(&item, &req.key).record()?;
             match machine::acquire(Some(&record), req, now, || record.token) {
                 AcquireDecision::Keep(outcome) => return Ok(outcome),
@@ -357,7 +375,7 @@ impl IdempotencyStore for DynamoStore {
                 }
             }
         }
-        Err(Error::backend(STORE, AcquireDidNotSettle))
+        Err(did_not_settle())
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease> {
@@ -451,7 +469,7 @@ impl IdempotencyStore for DynamoStore {
             .send()
             .await
             .map_err(map_sdk_error)?;
-        let Some(item) = output.item else {
+        let Some(item) = output.item.filter(|item| !is_tombstone(item)) else {
             return Ok(None);
         };
         let (_, now) = self.now();
@@ -459,22 +477,49 @@ impl IdempotencyStore for DynamoStore {
         Ok((!record.is_expired(now)).then_some(record))
     }
 
+    /// Leaves a tombstone: an `UpdateItem` that removes every attribute but the key and the
+    /// token, and sets the TTL a week ahead. Every operation treats the tombstone as absent,
+    /// and the next acquire takes its token on from it, so tokens stay monotonic across a
+    /// delete whatever the clocks say.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool> {
-        let output = self
-            .client
-            .delete_item()
-            .table_name(&*self.table)
-            .key(attr::PK, s(partition_key(key)))
-            .return_values(ReturnValue::AllOld)
-            .send()
-            .await
-            .map_err(map_sdk_error)?;
-        let Some(old) = output.attributes else {
-            return Ok(false);
-        };
-        // The item is gone either way; an undecodable deadline counts as "was there".
         let (now_us, _) = self.now();
-        let expired = Decoder::new(&old, key)
+        let ttl = ttl_seconds(
+            now_us.saturating_add(u64::try_from(TOMBSTONE_TTL.as_micros()).unwrap_or(u64::MAX)),
+        );
+        let written = self
+            .update(
+                key,
+                expr::DELETE_UPDATE,
+                expr::DELETE_CONDITION,
+                vec![("ttl", n(ttl))],
+                ReturnValue::AllOld,
+                None,
+            )
+            .await?;
+        let old = match written {
+            Written::Applied(old) => old,
+            // No item at all: nothing to delete, and no tombstone written.
+            Written::Refused(_) => return Ok(false),
+        };
+        let decoder = Decoder::new(&old, key);
+        if decoder.opt_u64(attr::TOKEN).is_err() {
+            // A corrupt token would break every later acquire (`token + 1`): drop it, and the
+            // next acquire starts from the clock as for a new key.
+            self.client
+                .update_item()
+                .table_name(&*self.table)
+                .key(attr::PK, s(partition_key(key)))
+                .update_expression("REMOVE #token")
+                .expression_attribute_names("#token", attr::TOKEN)
+                .send()
+                .await
+                .map_err(map_sdk_error)?;
+        }
+        if old.is_empty() || is_tombstone(&old) {
+            return Ok(false);
+        }
+        // An undecodable deadline counts as "was there".
+        let expired = decoder
             .opt_u64(attr::EXPIRES)
             .ok()
             .flatten()
@@ -487,6 +532,37 @@ impl IdempotencyStore for DynamoStore {
     async fn purge_expired(&self, _limit: usize) -> Result<u64> {
         Ok(0)
     }
+}
+
+/// A refused acquire whose request the SDK sent more than once: when the item is in progress
+/// under this call's `acq_id`, an earlier attempt of this very call took effect (its answer was
+/// lost), and this is that acquisition.
+fn own_acquisition(
+    item: &Item,
+    req: &AcquireRequest,
+    acq_id: &str,
+) -> Result<Option<AcquireOutcome>> {
+    let decoder = Decoder::new(item, &req.key);
+    if decoder.opt_string(attr::ACQ_ID)?.as_deref() != Some(acq_id)
+        || decoder.opt_string(attr::STATE)?.as_deref() != Some(state::IN_PROGRESS)
+    {
+        return Ok(None);
+    }
+    let record = decoder.record()?;
+    let takeover = decoder.opt_string(attr::ACQ_PREV)?.as_deref() == Some(state::IN_PROGRESS);
+    let lease_end = record.lease_expires_at.map_or(0, micros);
+    Ok(Some(acquired(
+        req,
+        record.token,
+        record.attempts,
+        lease_end,
+        takeover,
+    )))
+}
+
+/// The error of an acquire that gave up under contention: retryable.
+fn did_not_settle() -> Error {
+    Error::unavailable(STORE, AcquireDidNotSettle)
 }
 
 fn retention_deadline(now_us: u64, retention: Duration) -> u64 {
@@ -509,5 +585,20 @@ fn acquired(
             expires_at: from_micros(lease_end_us),
         },
         takeover,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contention_is_retryable() {
+        let err = did_not_settle();
+        assert!(err.is_retryable(), "{err:?}");
+        assert!(
+            matches!(err, Error::Unavailable { store: STORE, .. }),
+            "{err:?}"
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! The SDK retries a request whose answer was lost; the first attempt may have taken effect.
 //! These tests lose answers on purpose (an HTTP client that delivers the request, then reports a
-//! transport error instead of the answer) and check what each transition makes of its retry.
+//! transport error instead of the answer) and check what each transition, acquire included, makes
+//! of its retry.
 
 mod common;
 
@@ -15,7 +16,7 @@ use aws_smithy_runtime_api::client::http::{
 };
 use idem_core::{
     AcquireOutcome, AcquireRequest, Bytes, Error, IdempotencyKey, IdempotencyStore, Lease,
-    Namespace, RecordState,
+    ManualClock, Namespace, RecordState,
 };
 use idem_dynamo::aws_config::{self, BehaviorVersion};
 use idem_dynamo::aws_sdk_dynamodb::config::RuntimeComponents;
@@ -25,18 +26,52 @@ use idem_dynamo::{DynamoStore, RequestCounter};
 
 const RETENTION: Duration = Duration::from_secs(3600);
 
-/// Delivers every request; for the next `lose` of them, throws the answer away and reports a
+/// How many answers to lose, after how many to deliver first.
+#[derive(Debug, Default)]
+struct Losses {
+    skip: AtomicU32,
+    lose: AtomicU32,
+}
+
+impl Losses {
+    /// Delivers the next `skip` answers, then loses the `lose` after them.
+    fn arm(&self, skip: u32, lose: u32) {
+        self.skip.store(skip, Ordering::SeqCst);
+        self.lose.store(lose, Ordering::SeqCst);
+    }
+
+    /// Whether to lose this answer.
+    fn take(&self) -> bool {
+        let dec = |n: u32| n.checked_sub(1);
+        if self
+            .skip
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, dec)
+            .is_ok()
+        {
+            return false;
+        }
+        self.lose
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, dec)
+            .is_ok()
+    }
+
+    fn armed(&self) -> u32 {
+        self.skip.load(Ordering::SeqCst) + self.lose.load(Ordering::SeqCst)
+    }
+}
+
+/// Delivers every request; for the answers [`Losses`] says, throws the answer away and reports a
 /// transport error, which the SDK retries.
 #[derive(Clone, Debug)]
 struct LoseAnswers {
     inner: SharedHttpClient,
-    lose: Arc<AtomicU32>,
+    lose: Arc<Losses>,
 }
 
 #[derive(Debug)]
 struct LosingConnector {
     inner: SharedHttpConnector,
-    lose: Arc<AtomicU32>,
+    lose: Arc<Losses>,
 }
 
 impl HttpClient for LoseAnswers {
@@ -58,10 +93,7 @@ impl HttpConnector for LosingConnector {
         let lose = self.lose.clone();
         HttpConnectorFuture::new(async move {
             let response = answer.await?;
-            if lose
-                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                .is_ok()
-            {
+            if lose.take() {
                 return Err(ConnectorError::io("answer lost on purpose".into()));
             }
             Ok(response)
@@ -69,15 +101,16 @@ impl HttpConnector for LosingConnector {
     }
 }
 
-/// A store whose HTTP client loses the answers the returned counter arms.
-async fn losing_store() -> (DynamoStore, Arc<AtomicU32>) {
+/// A store (on `clock` when given) whose HTTP client loses the answers the returned [`Losses`]
+/// arms.
+async fn losing_store(clock: Option<Arc<ManualClock>>) -> (DynamoStore, Arc<Losses>) {
     // The table exists once a normal store made it.
     common::store().await;
     let sdk = aws_config::defaults(BehaviorVersion::latest())
         .region(aws_config::Region::new("us-east-1"))
         .load()
         .await;
-    let lose = Arc::new(AtomicU32::new(0));
+    let lose = Arc::new(Losses::default());
     // The HTTP client the SDK uses by default, wrapped.
     let inner = aws_smithy_http_client::Builder::new()
         .tls_provider(tls::Provider::Rustls(
@@ -89,7 +122,11 @@ async fn losing_store() -> (DynamoStore, Arc<AtomicU32>) {
         lose: lose.clone(),
     };
     let sdk = sdk.into_builder().http_client(client).build();
-    let store = DynamoStore::from_sdk_config(&sdk, common::config(common::table())).unwrap();
+    let mut config = common::config(common::table());
+    if let Some(clock) = clock {
+        config = config.with_clock(clock);
+    }
+    let store = DynamoStore::from_sdk_config(&sdk, config).unwrap();
     (store, lose)
 }
 
@@ -101,11 +138,11 @@ fn key(id: &str) -> IdempotencyKey {
 }
 
 async fn lease(store: &DynamoStore, key: &IdempotencyKey) -> Lease {
-    match store
-        .acquire(&AcquireRequest::new(key.clone(), "a"))
-        .await
-        .unwrap()
-    {
+    lease_with(store, &AcquireRequest::new(key.clone(), "a")).await
+}
+
+async fn lease_with(store: &DynamoStore, req: &AcquireRequest) -> Lease {
+    match store.acquire(req).await.unwrap() {
         AcquireOutcome::Acquired { lease, .. } => lease,
         other => panic!("expected Acquired, got {other:?}"),
     }
@@ -119,13 +156,13 @@ fn sent(requests: &RequestCounter) -> u64 {
 
 #[tokio::test]
 async fn fenced_transitions_recognise_their_own_lost_write() {
-    let (store, lose) = losing_store().await;
+    let (store, lose) = losing_store(None).await;
     let requests = store.requests().clone();
 
     let completed = key("complete");
     let l = lease(&store, &completed).await;
     requests.reset();
-    lose.store(1, Ordering::SeqCst);
+    lose.arm(0, 1);
     store
         .complete(&l, Bytes::from_static(b"ok"), RETENTION)
         .await
@@ -141,7 +178,7 @@ async fn fenced_transitions_recognise_their_own_lost_write() {
 
     let failed = key("fail");
     let l = lease(&store, &failed).await;
-    lose.store(1, Ordering::SeqCst);
+    lose.arm(0, 1);
     store
         .fail(&l, "timeout", true, RETENTION)
         .await
@@ -149,7 +186,7 @@ async fn fenced_transitions_recognise_their_own_lost_write() {
 
     let released = key("release");
     let l = lease(&store, &released).await;
-    lose.store(1, Ordering::SeqCst);
+    lose.arm(0, 1);
     store
         .release(&l)
         .await
@@ -183,20 +220,101 @@ async fn store_lease_of(store: &DynamoStore, key: &IdempotencyKey) -> Lease {
     }
 }
 
+/// Acquires with the answers `arm` loses, and checks the caller got the acquisition its lost
+/// attempt made: `Acquired` exactly once, the attempt counted once. Returns the lease and
+/// `takeover`.
+async fn acquire_with_lost_answer(
+    store: &DynamoStore,
+    lose: &Losses,
+    arm: (u32, u32),
+    req: &AcquireRequest,
+) -> (Lease, bool) {
+    let requests = store.requests().clone();
+    requests.reset();
+    lose.arm(arm.0, arm.1);
+    let out = store.acquire(req).await.unwrap();
+    assert_eq!(lose.armed(), 0, "the answer was lost");
+    assert_eq!(
+        sent(&requests),
+        u64::from(arm.0 + arm.1 + 1),
+        "the SDK retried the request whose answer was lost"
+    );
+    let AcquireOutcome::Acquired { lease, takeover } = out else {
+        panic!("a retried acquire whose first attempt landed is that acquisition: {out:?}");
+    };
+    assert_eq!(lease.owner, req.owner);
+    let record = store.get(&req.key).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::InProgress);
+    assert_eq!(record.token, lease.token, "the lease is the stored one");
+    assert_eq!(record.owner, req.owner);
+    assert_eq!(record.attempts, lease.attempt, "the retry wrote nothing");
+    assert_eq!(record.lease_expires_at, Some(lease.expires_at));
+    // Exactly once: a second call, even the same owner's, finds the key busy.
+    let again = store.acquire(req).await.unwrap();
+    assert!(
+        matches!(&again, AcquireOutcome::InProgress { owner, .. } if *owner == req.owner),
+        "{again:?}"
+    );
+    (lease, takeover)
+}
+
 #[tokio::test]
-async fn a_retried_acquire_whose_first_attempt_landed_reports_busy() {
-    let (store, lose) = losing_store().await;
+async fn a_retried_acquire_whose_first_attempt_landed_is_acquired() {
+    let (store, lose) = losing_store(None).await;
     let fresh = key("acquire");
-    lose.store(1, Ordering::SeqCst);
-    let out = store
-        .acquire(&AcquireRequest::new(fresh.clone(), "a"))
+    let (lease, takeover) = acquire_with_lost_answer(
+        &store,
+        &lose,
+        (0, 1),
+        &AcquireRequest::new(fresh.clone(), "a"),
+    )
+    .await;
+    assert_eq!((lease.attempt, takeover), (1, false), "fresh");
+    // The lease is a working one.
+    store
+        .complete(&lease, Bytes::from_static(b"ok"), RETENTION)
         .await
         .unwrap();
-    // Documented: the key is held by this very owner until the lease expires, then taken over.
-    assert!(
-        matches!(&out, AcquireOutcome::InProgress { owner, .. } if owner == "a"),
-        "{out:?}"
-    );
     let record = store.get(&fresh).await.unwrap().unwrap();
-    assert_eq!(record.attempts, 1, "the retry wrote nothing");
+    assert_eq!(record.attempts, 1);
+}
+
+#[tokio::test]
+async fn retried_takeover_reacquire_and_refresh_are_acquired() {
+    let clock = Arc::new(ManualClock::default());
+    let (store, lose) = losing_store(Some(clock.clone())).await;
+    let short = |key: &IdempotencyKey, owner: &str| {
+        AcquireRequest::new(key.clone(), owner).with_lease_ttl(Duration::from_secs(1))
+    };
+
+    // Takeover of an expired lease: attempt 2, reported as a takeover.
+    let expired = key("takeover");
+    let a = lease_with(&store, &short(&expired, "a")).await;
+    clock.advance(Duration::from_secs(2));
+    let (b, takeover) =
+        acquire_with_lost_answer(&store, &lose, (0, 1), &short(&expired, "b")).await;
+    assert_eq!((b.attempt, takeover), (2, true));
+    assert_eq!(b.token.get(), a.token.get() + 1);
+
+    // Re-acquire after a release: the attempt was given back, so attempt 1, no takeover.
+    let released = key("release");
+    let a = lease_with(&store, &short(&released, "a")).await;
+    store.release(&a).await.unwrap();
+    let (b, takeover) =
+        acquire_with_lost_answer(&store, &lose, (0, 1), &short(&released, "b")).await;
+    assert_eq!((b.attempt, takeover), (1, false));
+    assert_eq!(b.token.get(), a.token.get() + 1);
+
+    // A record failed retryably and past retention is re-created by a second write: deliver
+    // the first (refused) answer, lose the second's.
+    let stale = key("refresh");
+    let a = lease_with(&store, &short(&stale, "a")).await;
+    store
+        .fail(&a, "timeout", true, Duration::from_secs(1))
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(2));
+    let (b, takeover) = acquire_with_lost_answer(&store, &lose, (1, 1), &short(&stale, "b")).await;
+    assert_eq!((b.attempt, takeover), (1, false));
+    assert_eq!(b.token.get(), a.token.get() + 1);
 }

@@ -212,7 +212,107 @@ async fn corrupt_items_are_typed_errors() {
     let r = store.acquire(&request(&key, "a")).await;
     assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
     assert!(store.delete(&key).await.unwrap(), "operators can remove it");
-    lease(&store, &request(&key, "a")).await;
+    let l = lease(&store, &request(&key, "a")).await;
+    assert_eq!(l.token.get(), 6, "counted on from the tombstone");
+
+    // A token that is not a number is not kept in the tombstone: it would break every acquire.
+    let bad = ns.key("bad-token").unwrap();
+    store
+        .client()
+        .put_item()
+        .table_name(store.table())
+        .item("pk", AttributeValue::S(format!("{ns}:bad-token")))
+        .item("state", AttributeValue::S("completed".into()))
+        .item("token", AttributeValue::S("seven".into()))
+        .send()
+        .await
+        .unwrap();
+    assert!(store.delete(&bad).await.unwrap());
+    let item = raw_item(&store, &format!("{ns}:bad-token")).await;
+    assert!(!item.contains_key("token"), "{item:?}");
+    lease(&store, &request(&bad, "a")).await;
+}
+
+#[tokio::test]
+async fn delete_leaves_a_tombstone_and_tokens_stay_monotonic() {
+    let (store, clock) = common::manual_store().await;
+    let ns = namespace();
+    let key = ns.key("tombstone").unwrap();
+    let pk = format!("{ns}:tombstone");
+    let start = idem_core::Clock::now(&*clock);
+    let a = lease(&store, &request(&key, "a")).await;
+    store
+        .complete(&a, Bytes::from_static(b"ok"), RETENTION)
+        .await
+        .unwrap();
+
+    assert!(store.delete(&key).await.unwrap(), "a live record was there");
+    let item = raw_item(&store, &pk).await;
+    let mut names: Vec<&str> = item.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["pk", "token", "ttl"], "{item:?}");
+    assert_eq!(number(&item, "token"), a.token.get());
+    let week = idem_core::Clock::now(&*clock)
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 7 * 24 * 3600;
+    assert!(number(&item, "ttl").abs_diff(week) <= 1, "{item:?}");
+
+    // Absent for every operation.
+    assert_eq!(store.get(&key).await.unwrap(), None);
+    assert!(
+        !store.delete(&key).await.unwrap(),
+        "a tombstone is not a record"
+    );
+    let r = store
+        .complete(&a, Bytes::from_static(b"ok"), RETENTION)
+        .await;
+    assert!(
+        matches!(r, Err(Error::LeaseLost { current: None, .. })),
+        "{r:?}"
+    );
+    let r = store.release(&a).await;
+    assert!(
+        matches!(r, Err(Error::LeaseLost { current: None, .. })),
+        "{r:?}"
+    );
+
+    // A client whose clock is an hour behind re-creates the key: fresh, token above the old one.
+    clock.set(start - Duration::from_secs(3600));
+    let out = store
+        .acquire(&request(&key, "b").with_fingerprint(Fingerprint::of("other")))
+        .await
+        .unwrap();
+    let AcquireOutcome::Acquired { lease: b, takeover } = out else {
+        panic!("expected a fresh Acquired, got {out:?}");
+    };
+    assert!(!takeover);
+    assert_eq!(b.attempt, 1);
+    assert_eq!(
+        b.token.get(),
+        a.token.get() + 1,
+        "counted on from the tombstone"
+    );
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::InProgress);
+    assert_eq!(record.attempts, 1);
+    assert_eq!(record.fingerprint, Some(Fingerprint::of("other")));
+    assert!(!raw_item(&store, &pk).await.contains_key("ttl"));
+
+    // Deleting a key that never existed writes nothing.
+    let never = ns.key("never").unwrap();
+    assert!(!store.delete(&never).await.unwrap());
+    let none = store
+        .client()
+        .get_item()
+        .table_name(store.table())
+        .key("pk", AttributeValue::S(format!("{ns}:never")))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap();
+    assert!(none.item.is_none(), "{none:?}");
 }
 
 #[tokio::test]
