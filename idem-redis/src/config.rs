@@ -35,8 +35,10 @@ pub struct RedisConfig {
     /// The bound on a whole store operation, reconnects and cluster redirects included; past it
     /// the operation fails with [`Error::Unavailable`](idem_core::Error::Unavailable). Default 3 s.
     pub operation_timeout: Duration,
-    /// How many times a dropped connection (standalone) or a failed request (cluster) is retried
-    /// by the driver within [`operation_timeout`](Self::operation_timeout). Default 2.
+    /// How many times a dropped connection is re-established (standalone), or a request the
+    /// cluster refused without running it (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, ...) is
+    /// retried (cluster), within [`operation_timeout`](Self::operation_timeout). A request that
+    /// may have run (a response timeout, a dropped connection) is never re-sent. Default 2.
     pub retries: u32,
     /// The largest result and error message accepted.
     pub limits: Limits,
@@ -86,7 +88,7 @@ impl RedisConfig {
         self
     }
 
-    /// Sets the driver's retry count.
+    /// Sets [`retries`](Self::retries).
     pub fn with_retries(mut self, retries: u32) -> Self {
         self.retries = retries;
         self

@@ -7,7 +7,8 @@ use idem_core::Error;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::{ErrorKind, RedisError, ScriptInvocation, ServerErrorKind, Value};
+use redis::cluster_routing::SingleNodeRoutingInfo;
+use redis::{ErrorKind, RedisError, Script, ScriptInvocation, ServerErrorKind, ToRedisArgs, Value};
 
 use crate::config::RedisConfig;
 
@@ -83,9 +84,12 @@ impl Conn {
             .connection_timeout(config.connect_timeout)
             .response_timeout(config.response_timeout)
             .overall_response_timeout(Some(config.operation_timeout))
-            .retries(config.retries)
-            .min_retry_wait(20)
-            .max_retry_wait(500)
+            // The driver spends one retry budget on everything: redirections, but also resending
+            // a request after a response timeout or a dropped connection, when the first send
+            // may have run. A resent transition would then see its own effect (an acquire
+            // finding itself as owner). So the driver never retries; `Conn::invoke` retries
+            // only the refusals that prove the script did not run, and follows MOVED/ASK itself.
+            .retries(0)
             .build()
             .map_err(|e| invalid_url(&nodes.join(","), e))?;
         let connect = client.get_async_connection();
@@ -96,16 +100,157 @@ impl Conn {
     }
 
     /// Runs a script (EVALSHA, loading it on NOSCRIPT) within `timeout`.
+    ///
+    /// On a cluster, a refusal that proves the script did not run (MOVED, ASK, TRYAGAIN,
+    /// CLUSTERDOWN, ...) is retried up to `retries` times: MOVED and ASK at once on the node they
+    /// name, the others after a short wait. Timeouts and dropped connections are never retried:
+    /// the script may have run.
     pub(crate) async fn invoke(
         &self,
-        invocation: &ScriptInvocation<'_>,
+        call: &Call<'_>,
         timeout: Duration,
+        retries: u32,
     ) -> Result<Value, Error> {
         match self {
-            Self::Single(c) => bounded(timeout, invocation.invoke_async(&mut c.clone())).await,
-            Self::Cluster(c) => bounded(timeout, invocation.invoke_async(&mut c.clone())).await,
+            Self::Single(c) => {
+                bounded(timeout, call.invocation().invoke_async(&mut c.clone())).await
+            }
+            Self::Cluster(c) => bounded(timeout, cluster_invoke(c.clone(), call, retries)).await,
         }
     }
+}
+
+/// One script call: the script, its one key and its arguments.
+pub(crate) struct Call<'a> {
+    script: &'a Script,
+    source: &'a str,
+    key: &'a [u8],
+    args: Vec<Vec<u8>>,
+}
+
+impl<'a> Call<'a> {
+    pub(crate) fn new(script: &'a Script, source: &'a str, key: &'a [u8]) -> Self {
+        Self {
+            script,
+            source,
+            key,
+            args: Vec::new(),
+        }
+    }
+
+    pub(crate) fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
+        self.args.extend(arg.to_redis_args());
+        self
+    }
+
+    fn invocation(&self) -> ScriptInvocation<'a> {
+        let mut invocation = self.script.prepare_invoke();
+        invocation.key(self.key);
+        for arg in &self.args {
+            invocation.arg(arg.as_slice());
+        }
+        invocation
+    }
+
+    /// `EVAL` with the full source, for a node that may not have the script cached.
+    fn eval(&self) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(self.source).arg(1).arg(self.key);
+        for arg in &self.args {
+            cmd.arg(arg.as_slice());
+        }
+        cmd
+    }
+}
+
+/// Where a refusal sent the call next.
+enum Next {
+    /// The slot's map: route by key again, after a wait.
+    Wait,
+    /// The node a MOVED (`asking` false) or ASK (`asking` true) named.
+    Node {
+        host: String,
+        port: u16,
+        asking: bool,
+    },
+}
+
+async fn cluster_invoke(
+    mut conn: ClusterConnection,
+    call: &Call<'_>,
+    retries: u32,
+) -> Result<Value, RedisError> {
+    let mut next: Option<Next> = None;
+    let mut attempt = 0u32;
+    loop {
+        let result = match next.take() {
+            None => call.invocation().invoke_async(&mut conn).await,
+            Some(Next::Wait) => {
+                let wait = 20u64.saturating_mul(1 << attempt.min(5)).min(500);
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+                call.invocation().invoke_async(&mut conn).await
+            }
+            Some(Next::Node { host, port, asking }) => {
+                let mut pipe = redis::pipe();
+                if asking {
+                    pipe.cmd("ASKING");
+                }
+                pipe.add_command(call.eval());
+                let route = SingleNodeRoutingInfo::ByAddress { host, port };
+                let offset = usize::from(asking);
+                conn.route_pipeline(pipe, offset, 1, route).await.and_then(
+                    |mut values| match values.pop() {
+                        Some(value) => value.extract_error(),
+                        None => Err(RedisError::from((
+                            ErrorKind::UnexpectedReturnType,
+                            "no reply to a redirected script",
+                        ))),
+                    },
+                )
+            }
+        };
+        let err = match result {
+            Ok(value) => return Ok(value),
+            Err(err) => err,
+        };
+        if attempt >= retries || !did_not_run(&err) {
+            return Err(err);
+        }
+        attempt += 1;
+        next = Some(redirect(&err).unwrap_or(Next::Wait));
+    }
+}
+
+/// The node a MOVED or ASK refusal names.
+fn redirect(err: &RedisError) -> Option<Next> {
+    let asking = err.kind() == ErrorKind::Server(ServerErrorKind::Ask);
+    let (addr, _slot) = err.redirect_node()?;
+    let (host, port) = addr.rsplit_once(':')?;
+    Some(Next::Node {
+        host: host.to_owned(),
+        port: port.parse().ok()?,
+        asking,
+    })
+}
+
+/// Refusals the server (or the driver, before sending) answers instead of running the script:
+/// retrying them cannot run a transition twice.
+fn did_not_run(e: &RedisError) -> bool {
+    e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::Server(
+                    ServerErrorKind::BusyLoading
+                        | ServerErrorKind::MasterDown
+                        | ServerErrorKind::TryAgain
+                        | ServerErrorKind::ClusterDown
+                        | ServerErrorKind::ReadOnly
+                        | ServerErrorKind::Moved
+                        | ServerErrorKind::Ask
+                )
+        )
+        || matches!(e.code(), Some("OOM" | "BUSY"))
 }
 
 async fn bounded<T>(
@@ -160,7 +305,8 @@ fn invalid_url(url: &str, e: RedisError) -> Error {
 
 /// Maps a driver error: anything that says the server could not be reached or is not serving
 /// (I/O, timeouts, refused or dropped connections, cluster down or reconfiguring, loading, read
-/// only after a failover) is [`Error::Unavailable`]; everything else is [`Error::Backend`].
+/// only after a failover, out of memory, busy with a long script) is [`Error::Unavailable`];
+/// everything else is [`Error::Backend`].
 pub(crate) fn map_error(e: RedisError) -> Error {
     if is_unavailable(&e) {
         Error::unavailable(STORE, e)
@@ -188,6 +334,9 @@ fn is_unavailable(e: &RedisError) -> bool {
                         | ServerErrorKind::Ask
                 )
         )
+        // `OOM command not allowed when used memory > 'maxmemory'` and `BUSY Redis is busy
+        // running a script`: the server refused the command and may take it again later.
+        || matches!(e.code(), Some("OOM" | "BUSY"))
 }
 
 /// rustls needs one process-wide crypto provider; install ring's unless the application chose one.
@@ -216,6 +365,83 @@ mod tests {
         assert!(matches!(map_error(down), Error::Unavailable { .. }));
         let script = RedisError::from((ErrorKind::Server(ServerErrorKind::ResponseError), "boom"));
         assert!(matches!(map_error(script), Error::Backend { .. }));
+    }
+
+    #[test]
+    fn refusals_of_a_server_not_serving_are_unavailable() {
+        let extension = |code: &str, detail: &str| {
+            redis::make_extension_error(code.to_owned(), Some(detail.to_owned()))
+        };
+        let oom = extension("OOM", "command not allowed when used memory > 'maxmemory'.");
+        let busy = extension("BUSY", "Redis is busy running a script.");
+        for e in [oom, busy] {
+            assert!(did_not_run(&e), "{e:?}");
+            assert!(matches!(map_error(e), Error::Unavailable { .. }));
+        }
+        for kind in [
+            ServerErrorKind::BusyLoading,
+            ServerErrorKind::TryAgain,
+            ServerErrorKind::ClusterDown,
+            ServerErrorKind::MasterDown,
+            ServerErrorKind::ReadOnly,
+            ServerErrorKind::Moved,
+            ServerErrorKind::Ask,
+        ] {
+            let e = RedisError::from((ErrorKind::Server(kind), "refused"));
+            assert!(did_not_run(&e), "{e:?}");
+            assert!(
+                matches!(map_error(e), Error::Unavailable { .. }),
+                "{kind:?}"
+            );
+        }
+        // A script's own error and a corrupt record are neither retried nor unavailable.
+        let corrupt = extension("IDEMCORRUPT", "record without state");
+        assert!(!did_not_run(&corrupt));
+        assert!(matches!(map_error(corrupt), Error::Backend { .. }));
+    }
+
+    #[test]
+    fn ambiguous_failures_are_never_retried() {
+        // The request may have reached the server and run: a retry could run it twice.
+        for kind in [
+            std::io::ErrorKind::TimedOut,
+            std::io::ErrorKind::ConnectionReset,
+            std::io::ErrorKind::BrokenPipe,
+            std::io::ErrorKind::UnexpectedEof,
+        ] {
+            let e = RedisError::from(std::io::Error::from(kind));
+            assert!(!did_not_run(&e), "{kind:?}");
+            assert!(
+                matches!(map_error(e), Error::Unavailable { .. }),
+                "{kind:?}"
+            );
+        }
+        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(did_not_run(&refused));
+    }
+
+    #[test]
+    fn redirections_name_their_node() {
+        let moved = RedisError::from((
+            ErrorKind::Server(ServerErrorKind::Moved),
+            "moved",
+            "3999 127.0.0.1:7002".to_owned(),
+        ));
+        assert!(matches!(
+            redirect(&moved),
+            Some(Next::Node { host, port: 7002, asking: false }) if host == "127.0.0.1"
+        ));
+        let ask = RedisError::from((
+            ErrorKind::Server(ServerErrorKind::Ask),
+            "ask",
+            "3999 [::1]:7003".to_owned(),
+        ));
+        assert!(matches!(
+            redirect(&ask),
+            Some(Next::Node { host, port: 7003, asking: true }) if host == "[::1]"
+        ));
+        let down = RedisError::from((ErrorKind::Server(ServerErrorKind::TryAgain), "again"));
+        assert!(redirect(&down).is_none());
     }
 
     #[test]

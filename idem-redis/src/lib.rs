@@ -49,6 +49,9 @@
 //! | `l` | lease end, in ms after `base`; only while in progress |
 //! | `r` | the stored result (completed) or error (failed); absent when empty |
 //!
+//! A hash that holds only `t` is a **tombstone**, left by
+//! [`delete`](idem_core::IdempotencyStore::delete) (see [Fencing tokens](#fencing-tokens)).
+//!
 //! The retention deadline (`expires_at`) is not a field: it is the key's own expiry, set with
 //! `PEXPIREAT` by `complete` and `fail` and read back with `PEXPIRETIME`, so Redis itself
 //! removes finished records and [`purge_expired`](idem_core::IdempotencyStore::purge_expired)
@@ -73,16 +76,41 @@
 //! # Fencing tokens
 //!
 //! A new token is `max(previous + 1, server time in microseconds)`. While the hash exists the
-//! `previous + 1` term makes tokens strictly increasing; after the key expired or was deleted the
-//! time term keeps them above every earlier token, as long as the server clock does not step back
-//! (by more than the time since the earlier token was issued). On a cluster, the same holds across
-//! a failover when the nodes' clocks agree to within that margin (NTP-synchronised hosts do).
-//! Tokens stay below 2^53, so Lua's numbers hold them exactly.
+//! `previous + 1` term makes tokens strictly increasing, whatever the clock does.
+//!
+//! `delete` does not remove the key: it replaces the record with a tombstone, a hash holding only
+//! the token (`{t = <token>}`), that expires after **7 days**. Every script treats a tombstone as
+//! an absent record (`get` returns `None`, `delete` returns `false`, `extend` / `complete` /
+//! `fail` / `release` are `LeaseLost` with no current token, and `acquire` starts a fresh record
+//! at attempt 1), but `acquire` still takes its token as `previous`, so the first token after a
+//! delete is above the deleted one even if the server clock stepped back meanwhile.
+//!
+//! A record whose retention ended (or a tombstone after its 7 days) is removed by Redis entirely;
+//! after that only the time term keeps tokens above every earlier one, which holds as long as the
+//! server clock does not step back by more than the time since the earlier token was issued (at
+//! least the retention, or 7 days after a delete). On a cluster, the same holds across a failover
+//! when the nodes' clocks agree to within that margin (NTP-synchronised hosts do). Tokens stay
+//! below 2^53, so Lua's numbers hold them exactly.
+//!
+//! # Replayed transitions
+//!
+//! A transition whose reply was lost (a response timeout, a dropped connection) may have run; a
+//! caller, or a layer below it, may send it again with the same lease. `complete`, `fail` and
+//! `release` are therefore replay-safe: when the record carries the lease's token and is already
+//! exactly in the state the call would produce (completed with the same result; failed with the
+//! same error and the same retryable flag; released), the call succeeds again without changing
+//! anything. Any other call with a lease that is no longer in progress is `LeaseLost`, as the
+//! contract requires: a lease can still finish its record only once, and only one way.
+//! `acquire` is not replay-safe (a re-sent acquire finds the caller's own lease and answers
+//! `InProgress`), which is why the store never re-sends a request that may have run (see
+//! [Connections, timeouts and errors](#connections-timeouts-and-errors)).
 //!
 //! # Cluster
 //!
 //! Every script touches exactly one key, `KEYS[1]`, so the same scripts run unchanged on a
-//! Redis Cluster: the driver routes each call by the key's slot and follows `MOVED`/`ASK`.
+//! Redis Cluster: the driver routes each call by the key's slot, and the store follows `MOVED`
+//! (to the node named, with the full script, and the driver refreshes its slot map) and `ASK`
+//! (`ASKING` then the script on the importing node) during resharding and failovers.
 //! Hash tags inside ids are harmless: `{`...`}` in an id only chooses the slot of that one key,
 //! and two distinct ids are always two distinct keys. Scripts are declared with `#!lua` (no
 //! flags), so Redis refuses any access to an undeclared key. Writes go to masters. Redis
@@ -99,7 +127,9 @@
 //!   clock term) but completed work can run again. Use AOF (`appendfsync everysec` or `always`)
 //!   where that matters.
 //! - `redis-cli --scan --pattern 'idem:payments:*'` lists a namespace; `HGETALL` shows a record
-//!   (see the layout above), `PEXPIRETIME` its retention deadline.
+//!   (see the layout above; only `t` for a tombstone), `PEXPIRETIME` its retention deadline.
+//! - Remove records with the store's `delete`, not `DEL`: a plain `DEL` leaves no tombstone, so
+//!   the next token relies on the server clock alone.
 //!
 //! # Connections, timeouts and errors
 //!
@@ -116,9 +146,18 @@
 //!   unreachable server yields [`Error::Unavailable`](idem_core::Error::Unavailable) within
 //!   [`RedisConfig::operation_timeout`] (3 s by default), never a hang.
 //! - I/O errors, timeouts, refused or dropped connections and cluster-down / loading / read-only
-//!   / redirect errors map to `Unavailable` (retryable: the operation may or may not have taken
-//!   effect); other server errors map to `Backend`; a hash that cannot be decoded is
-//!   `CorruptRecord`.
+//!   / redirect errors, `OOM` (over `maxmemory`) and `BUSY` (a long script running) map to
+//!   `Unavailable` (retryable: the operation may or may not have taken effect); other server
+//!   errors map to `Backend`; a hash that cannot be decoded is `CorruptRecord`.
+//! - Nothing that may have run is sent twice. On one server the connection manager reconnects
+//!   but never re-sends a request. On a cluster the driver is built with no retries at all (its
+//!   one retry budget would also re-send a script after a response timeout or a dropped
+//!   connection); the store itself retries, up to [`RedisConfig::retries`] times within the
+//!   operation timeout, only the refusals that prove the script did not run: `MOVED` and `ASK`
+//!   (followed at once), and `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `LOADING`, `READONLY`,
+//!   `OOM`, `BUSY` and refused connections (after a short wait). A cluster connection passed to
+//!   [`RedisStore::from_cluster_connection`] should be built with `retries(0)` for the same
+//!   reason.
 //! - Inputs are validated before anything is sent: the request, lease length, retention, and
 //!   result and error sizes against [`RedisConfig::limits`].
 

@@ -4,6 +4,8 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
+use crate::conn::Call;
+
 const COMMON: &str = include_str!("lua/common.lua");
 
 /// One of the store's Lua scripts, as the server runs it.
@@ -27,8 +29,9 @@ impl LuaScript {
         self.script.get_hash()
     }
 
-    pub(crate) fn script(&self) -> &Script {
-        &self.script
+    /// A call of this script on `key`, arguments to follow.
+    pub(crate) fn call<'a>(&'a self, key: &'a [u8]) -> Call<'a> {
+        Call::new(&self.script, &self.source, key)
     }
 }
 

@@ -10,13 +10,13 @@ use idem_core::{
     AcquireOutcome, AcquireRequest, Error, IdempotencyKey, IdempotencyStore, Lease, Limits, Record,
     Result, check_lease_ttl, check_retention,
 };
+use redis::Value;
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
-use redis::{ScriptInvocation, Value};
 
 use crate::codec::{self, Fenced};
 use crate::config::RedisConfig;
-use crate::conn::{Conn, STORE};
+use crate::conn::{Call, Conn, STORE};
 use crate::scripts::{LuaScript, SCRIPTS};
 
 /// An [`IdempotencyStore`] on Redis: one hash per key, one Lua script per transition, on a
@@ -100,7 +100,10 @@ impl RedisStore {
         Self::from_conn(Conn::Single(manager), config)
     }
 
-    /// A store over a cluster connection the application built itself.
+    /// A store over a cluster connection the application built itself. Build it with
+    /// `retries(0)`: the driver's retries also re-send a script after a response timeout or a
+    /// dropped connection, when the first send may have run (the store retries and follows
+    /// `MOVED`/`ASK` itself).
     pub fn from_cluster_connection(conn: ClusterConnection, config: RedisConfig) -> Self {
         Self::from_conn(Conn::Cluster(conn), config)
     }
@@ -128,11 +131,12 @@ impl RedisStore {
 
     /// Runs one script on `key`. A script that found an undecodable hash answers
     /// `IDEMCORRUPT <reason>`, which becomes [`Error::CorruptRecord`].
-    async fn run(&self, key: &[u8], invocation: &ScriptInvocation<'_>) -> Result<Value> {
+    async fn run(&self, key: &[u8], call: &Call<'_>) -> Result<Value> {
+        let config = &self.inner.config;
         let result = self
             .inner
             .conn
-            .invoke(invocation, self.inner.config.operation_timeout)
+            .invoke(call, config.operation_timeout, config.retries)
             .await;
         match result {
             Err(Error::Backend { source, .. })
@@ -155,13 +159,13 @@ impl RedisStore {
         &self,
         script: &LuaScript,
         lease: &Lease,
-        args: impl FnOnce(&mut ScriptInvocation<'_>),
+        args: impl FnOnce(&mut Call<'_>),
     ) -> Result<Option<i64>> {
         let key = self.storage_key(&lease.key);
-        let mut invocation = script.script().prepare_invoke();
-        invocation.key(&key).arg(lease.token.get());
-        args(&mut invocation);
-        let reply = self.run(&key, &invocation).await?;
+        let mut call = script.call(&key);
+        call.arg(lease.token.get());
+        args(&mut call);
+        let reply = self.run(&key, &call).await?;
         match codec::fenced(&reply).map_err(|b| codec::corrupt(&key, b))? {
             Fenced::Applied(extra) => Ok(extra),
             Fenced::Lost(current) => Err(Error::LeaseLost {
@@ -190,14 +194,12 @@ impl IdempotencyStore for RedisStore {
             Some(fp) => fp.as_bytes(),
             None => &[],
         };
-        let mut invocation = SCRIPTS.acquire.script().prepare_invoke();
-        invocation
-            .key(&key)
-            .arg(req.owner.as_bytes())
+        let mut call = SCRIPTS.acquire.call(&key);
+        call.arg(req.owner.as_bytes())
             .arg(codec::millis(req.lease_ttl))
             .arg(req.max_attempts)
             .arg(fingerprint);
-        let reply = self.run(&key, &invocation).await?;
+        let reply = self.run(&key, &call).await?;
         codec::acquire_outcome(&reply, &req.key, &req.owner).map_err(|b| codec::corrupt(&key, b))
     }
 
@@ -250,17 +252,18 @@ impl IdempotencyStore for RedisStore {
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>> {
         let storage_key = self.storage_key(key);
-        let mut invocation = SCRIPTS.get.script().prepare_invoke();
-        invocation.key(&storage_key);
-        let reply = self.run(&storage_key, &invocation).await?;
+        let call = SCRIPTS.get.call(&storage_key);
+        let reply = self.run(&storage_key, &call).await?;
         codec::record(&reply, key).map_err(|b| codec::corrupt(&storage_key, b))
     }
 
+    /// Replaces the record with a tombstone that holds only its token and expires after 7 days,
+    /// so that the next acquisition's token is above the deleted one whatever the server clock
+    /// did (see the [crate docs](crate#fencing-tokens)). A tombstone reads as no record.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool> {
         let storage_key = self.storage_key(key);
-        let mut invocation = SCRIPTS.delete.script().prepare_invoke();
-        invocation.key(&storage_key);
-        match self.run(&storage_key, &invocation).await? {
+        let call = SCRIPTS.delete.call(&storage_key);
+        match self.run(&storage_key, &call).await? {
             Value::Int(n) => Ok(n == 1),
             other => Err(codec::corrupt(
                 &storage_key,

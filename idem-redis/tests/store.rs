@@ -269,8 +269,201 @@ async fn unreachable_is_unavailable_quickly(
     );
 }
 
+/// The raw hash and PTTL of `key`, read over a plain admin connection (cluster-routed on a
+/// cluster store).
+async fn raw(
+    store: &RedisStore,
+    key: &idem_core::IdempotencyKey,
+) -> (HashMap<String, Vec<u8>>, i64) {
+    let storage_key = store.storage_key(key);
+    let mut hgetall = redis::cmd("HGETALL");
+    hgetall.arg(&storage_key);
+    let mut pttl = redis::cmd("PTTL");
+    pttl.arg(&storage_key);
+    if store.is_cluster() {
+        let mut admin = redis::cluster::ClusterClient::new(common::cluster_nodes())
+            .unwrap()
+            .get_async_connection()
+            .await
+            .unwrap();
+        (
+            hgetall.query_async(&mut admin).await.unwrap(),
+            pttl.query_async(&mut admin).await.unwrap(),
+        )
+    } else {
+        let mut admin = redis::Client::open(common::url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        (
+            hgetall.query_async(&mut admin).await.unwrap(),
+            pttl.query_async(&mut admin).await.unwrap(),
+        )
+    }
+}
+
+/// A transition sent again with the same lease (its first reply lost, the request re-sent)
+/// finds its own effect and succeeds; any other transition with that lease stays fenced off.
+async fn replayed_transitions_succeed(store: RedisStore) {
+    let ns = ns();
+    let lost = |r: &idem_core::Result<()>, token| matches!(r, Err(Error::LeaseLost { current: Some(t), .. }) if *t == token);
+
+    // complete, twice with the same result: Ok both times, the record unchanged.
+    let key = ns.key("complete").unwrap();
+    let lease = acquired(&store, &AcquireRequest::new(key.clone(), "w")).await;
+    store
+        .complete(&lease, Bytes::from_static(b"done"), HOUR)
+        .await
+        .unwrap();
+    let before = raw(&store, &key).await.0;
+    store
+        .complete(&lease, Bytes::from_static(b"done"), HOUR)
+        .await
+        .unwrap();
+    assert_eq!(raw(&store, &key).await.0, before);
+    // A different result, or another transition, is not a replay.
+    let r = store
+        .complete(&lease, Bytes::from_static(b"other"), HOUR)
+        .await;
+    assert!(lost(&r, lease.token), "{r:?}");
+    let r = store.complete(&lease, Bytes::new(), HOUR).await;
+    assert!(lost(&r, lease.token), "{r:?}");
+    let r = store.fail(&lease, "done", false, HOUR).await;
+    assert!(lost(&r, lease.token), "{r:?}");
+    let r = store.release(&lease).await;
+    assert!(lost(&r, lease.token), "{r:?}");
+    assert_eq!(raw(&store, &key).await.0, before);
+
+    // An empty result replays too.
+    let key = ns.key("complete-empty").unwrap();
+    let lease = acquired(&store, &AcquireRequest::new(key.clone(), "w")).await;
+    store.complete(&lease, Bytes::new(), HOUR).await.unwrap();
+    store.complete(&lease, Bytes::new(), HOUR).await.unwrap();
+    let r = store.complete(&lease, Bytes::from_static(b"x"), HOUR).await;
+    assert!(lost(&r, lease.token), "{r:?}");
+
+    // fail: same error and flag replays; another error or flag does not.
+    for retryable in [true, false] {
+        let key = ns.key(format!("fail-{retryable}")).unwrap();
+        let lease = acquired(&store, &AcquireRequest::new(key.clone(), "w")).await;
+        store.fail(&lease, "boom", retryable, HOUR).await.unwrap();
+        let before = raw(&store, &key).await.0;
+        store.fail(&lease, "boom", retryable, HOUR).await.unwrap();
+        let r = store.fail(&lease, "boom", !retryable, HOUR).await;
+        assert!(lost(&r, lease.token), "{r:?}");
+        let r = store.fail(&lease, "bang", retryable, HOUR).await;
+        assert!(lost(&r, lease.token), "{r:?}");
+        let r = store
+            .complete(&lease, Bytes::from_static(b"boom"), HOUR)
+            .await;
+        assert!(lost(&r, lease.token), "{r:?}");
+        assert_eq!(raw(&store, &key).await.0, before);
+    }
+
+    // release: twice is Ok, and the attempt is given back once only.
+    let key = ns.key("release").unwrap();
+    let lease = acquired(&store, &AcquireRequest::new(key.clone(), "w")).await;
+    store.release(&lease).await.unwrap();
+    store.release(&lease).await.unwrap();
+    let r = store.complete(&lease, Bytes::new(), HOUR).await;
+    assert!(lost(&r, lease.token), "{r:?}");
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Released);
+    assert_eq!(record.attempts, 0);
+
+    // Once a newer lease exists, the old one is fenced off whatever it replays.
+    let key = ns.key("superseded").unwrap();
+    let req = AcquireRequest::new(key.clone(), "w");
+    let first = acquired(&store, &req).await;
+    store.release(&first).await.unwrap();
+    let second = acquired(&store, &req).await;
+    let r = store.release(&first).await;
+    assert!(lost(&r, second.token), "{r:?}");
+}
+
+/// `delete` leaves a tombstone holding only the token, honoured by every script.
+async fn delete_leaves_a_tombstone(store: RedisStore) {
+    let ns = ns();
+    let key = ns.key("order-1").unwrap();
+    let req = AcquireRequest::new(key.clone(), "w").with_max_attempts(1);
+    let first = acquired(&store, &req).await;
+    store
+        .complete(&first, Bytes::from_static(b"ok"), HOUR)
+        .await
+        .unwrap();
+    assert!(store.delete(&key).await.unwrap());
+
+    let (fields, pttl) = raw(&store, &key).await;
+    assert_eq!(
+        fields,
+        HashMap::from([("t".to_owned(), first.token.get().to_string().into_bytes())]),
+    );
+    let week = 7 * 24 * 3600 * 1000;
+    assert!(pttl > week - 60_000 && pttl <= week, "{pttl}");
+
+    assert!(store.get(&key).await.unwrap().is_none());
+    assert!(
+        !store.delete(&key).await.unwrap(),
+        "a tombstone is no record"
+    );
+    assert_eq!(
+        raw(&store, &key).await.0,
+        fields,
+        "deleting it again keeps it"
+    );
+    for r in [
+        store
+            .complete(&first, Bytes::from_static(b"ok"), HOUR)
+            .await,
+        store.fail(&first, "x", true, HOUR).await,
+        store.release(&first).await,
+        store.extend(&first, HOUR).await.map(drop),
+    ] {
+        assert!(
+            matches!(r, Err(Error::LeaseLost { current: None, .. })),
+            "{r:?}"
+        );
+    }
+    assert!(store.get(&key).await.unwrap().is_none());
+
+    // A fresh record: attempt 1 (max_attempts 1 is no obstacle), a higher token, no expiry.
+    let second = match store.acquire(&req).await {
+        Ok(AcquireOutcome::Acquired { lease, takeover }) => {
+            assert!(!takeover);
+            lease
+        }
+        other => panic!("expected a fresh acquisition, got {other:?}"),
+    };
+    assert_eq!(second.attempt, 1);
+    assert!(second.token > first.token, "{second:?} after {first:?}");
+    let (fields, pttl) = raw(&store, &key).await;
+    assert_eq!(pttl, -1);
+    assert!(fields.contains_key("s"), "{fields:?}");
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::InProgress);
+    assert_eq!(record.attempts, 1);
+    assert_eq!(record.token, second.token);
+
+    // Deleting a record in progress leaves its token too.
+    assert!(store.delete(&key).await.unwrap());
+    let third = acquired(&store, &req).await;
+    assert!(third.token > second.token);
+    assert_eq!(third.attempt, 1);
+}
+
 mod standalone {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replayed_transitions_succeed() {
+        super::replayed_transitions_succeed(common::standalone().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn delete_leaves_a_tombstone() {
+        super::delete_leaves_a_tombstone(common::standalone().await).await;
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lifecycle() {
@@ -304,6 +497,16 @@ mod standalone {
 
 mod cluster {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replayed_transitions_succeed() {
+        super::replayed_transitions_succeed(common::cluster().await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn delete_leaves_a_tombstone() {
+        super::delete_leaves_a_tombstone(common::cluster().await).await;
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lifecycle() {
@@ -351,5 +554,132 @@ mod cluster {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn unreachable_is_unavailable_quickly() {
         super::unreachable_is_unavailable_quickly(common::unreachable_cluster()).await;
+    }
+
+    /// A master of the test cluster: node id, a plain connection, slot ranges.
+    type Master = (String, redis::aio::MultiplexedConnection, Vec<(u16, u16)>);
+
+    /// Every master of the test cluster.
+    async fn masters() -> Vec<Master> {
+        let mut first = redis::Client::open(common::cluster_nodes()[0].as_str())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let nodes: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async(&mut first)
+            .await
+            .unwrap();
+        let mut masters = Vec::new();
+        for line in nodes.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if !fields[2].contains("master") {
+                continue;
+            }
+            let addr = fields[1].split('@').next().unwrap();
+            let conn = redis::Client::open(format!("redis://{addr}"))
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            let ranges = fields[8..]
+                .iter()
+                .filter(|r| !r.starts_with('['))
+                .map(|r| match r.split_once('-') {
+                    Some((a, b)) => (a.parse().unwrap(), b.parse().unwrap()),
+                    None => (r.parse().unwrap(), r.parse().unwrap()),
+                })
+                .collect();
+            masters.push((fields[0].to_owned(), conn, ranges));
+        }
+        masters
+    }
+
+    async fn setslot(conn: &mut redis::aio::MultiplexedConnection, slot: u16, how: &[&str]) {
+        let _: () = redis::cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg(how)
+            .query_async(conn)
+            .await
+            .unwrap();
+    }
+
+    /// Moves `slot` (whose keys are gone) from `from` to `to` the way resharding does.
+    async fn move_slot(masters: &mut [Master], slot: u16, from: usize, to: usize) {
+        let (from_id, to_id) = (masters[from].0.clone(), masters[to].0.clone());
+        setslot(&mut masters[to].1, slot, &["IMPORTING", &from_id]).await;
+        setslot(&mut masters[from].1, slot, &["MIGRATING", &to_id]).await;
+        setslot(&mut masters[to].1, slot, &["NODE", &to_id]).await;
+        setslot(&mut masters[from].1, slot, &["NODE", &to_id]).await;
+        for (i, master) in masters.iter_mut().enumerate() {
+            if i != from && i != to {
+                setslot(&mut master.1, slot, &["NODE", &to_id]).await;
+            }
+        }
+    }
+
+    /// The driver retries nothing (a re-sent script may run twice); the store follows ASK and
+    /// MOVED itself, so a slot being migrated or already moved is still served.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redirections_are_followed() {
+        let store = common::cluster().await;
+        let ns = ns();
+        let key = ns.key("moving").unwrap();
+        let storage_key = store.storage_key(&key);
+        let req = AcquireRequest::new(key.clone(), "w");
+        assert!(store.get(&key).await.unwrap().is_none());
+
+        let mut masters = masters().await;
+        let slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(&storage_key)
+            .query_async(&mut masters[0].1)
+            .await
+            .unwrap();
+        let owner = masters
+            .iter()
+            .position(|m| m.2.iter().any(|&(a, b)| a <= slot && slot <= b))
+            .unwrap();
+        let other = (owner + 1) % masters.len();
+        let (owner_id, other_id) = (masters[owner].0.clone(), masters[other].0.clone());
+
+        // ASK: the slot is migrating and the key is not on its owner.
+        setslot(&mut masters[other].1, slot, &["IMPORTING", &owner_id]).await;
+        setslot(&mut masters[owner].1, slot, &["MIGRATING", &other_id]).await;
+        let asked = store.acquire(&req).await;
+        let asked_get = store.get(&key).await;
+
+        // MOVED: the migration finishes; the store's slot map is stale.
+        setslot(&mut masters[other].1, slot, &["NODE", &other_id]).await;
+        setslot(&mut masters[owner].1, slot, &["NODE", &other_id]).await;
+        let third = 3 - owner - other;
+        setslot(&mut masters[third].1, slot, &["NODE", &other_id]).await;
+        let moved_get = store.get(&key).await;
+        let moved_release = match &asked {
+            Ok(AcquireOutcome::Acquired { lease, .. }) => Some(store.release(lease).await),
+            _ => None,
+        };
+
+        // Put everything back before asserting.
+        let _: () = redis::cmd("DEL")
+            .arg(&storage_key)
+            .query_async(&mut masters[other].1)
+            .await
+            .unwrap();
+        move_slot(&mut masters, slot, other, owner).await;
+
+        assert!(
+            matches!(asked, Ok(AcquireOutcome::Acquired { .. })),
+            "{asked:?}"
+        );
+        let record = asked_get
+            .unwrap()
+            .expect("the record on the importing node");
+        assert_eq!(record.state, RecordState::InProgress);
+        let record = moved_get.unwrap().expect("the record on the new owner");
+        assert_eq!(record.state, RecordState::InProgress);
+        moved_release.unwrap().unwrap();
     }
 }

@@ -16,7 +16,8 @@ local h = redis.call('HMGET', key, 't', 's', 'f', 'c', 'l', 'o')
 local prev = tonumber(h[1])
 
 -- Tokens only grow: previous + 1, or the server clock in microseconds when that is higher (which
--- keeps them growing after the key expired or was deleted).
+-- keeps them growing after the key expired). `previous` is also the token a delete left in its
+-- tombstone, so tokens keep growing after a delete whatever the clock did.
 local function next_token()
   if prev ~= nil and prev + 1 > now_us then
     return prev + 1
@@ -24,7 +25,8 @@ local function next_token()
   return now_us
 end
 
-local live = prev ~= nil and not past_retention(now)
+-- A hash without a state is a tombstone (see delete): absent, but its token counts.
+local live = prev ~= nil and h[2] and not past_retention(now)
 if not live then
   if h[1] or h[2] then
     redis.call('DEL', key)

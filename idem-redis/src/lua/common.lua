@@ -12,7 +12,8 @@
 --   l  lease end, as milliseconds after base; only while in progress
 --   r  stored result (completed) or error (failed); absent when empty
 -- The retention deadline is the key's own expiry (PEXPIREAT); in-progress and released records
--- have none. All times come from the server clock (TIME), in milliseconds.
+-- have none. A hash holding only `t` is a tombstone left by delete (absent to every script, it
+-- keeps tokens growing; it expires after 7 days). All times come from the server clock (TIME), in milliseconds.
 
 local key = KEYS[1]
 
@@ -38,20 +39,31 @@ local function past_retention(now)
   return exp >= 0 and exp <= now
 end
 
--- The fence of every transition after acquire: the record exists, is not past retention, is in
--- progress and carries `token` (decimal text, compared as text). Returns the packed `s` value,
--- or nil and the current token (-1 when the record is absent or past retention).
+-- The fence of every transition after acquire: the record exists (a hash without `s` is a
+-- tombstone left by delete, which counts as absent), is not past retention, is in progress and
+-- carries `token` (decimal text, compared as text). Returns the packed `s` value; or nil, the
+-- current token (-1 when the record is absent, a tombstone or past retention) and, when the
+-- record carries `token` but is no longer in progress, its packed `s` value (so that the caller
+-- can recognise a replay of its own transition).
 local function fence(token, now)
   local h = redis.call('HMGET', key, 't', 's')
   if h[1] == nil or h[1] == false then
     return nil, -1
   end
   local s = tonumber(h[2])
-  if h[1] == token and s ~= nil and s % 10 == 0 and not past_retention(now) then
-    return s
-  end
-  if past_retention(now) then
+  if s == nil or past_retention(now) then
     return nil, -1
   end
+  if h[1] == token then
+    if s % 10 == 0 then
+      return s
+    end
+    return nil, tonumber(h[1]), s
+  end
   return nil, tonumber(h[1])
+end
+
+-- Whether the stored result or error (`r`, absent when empty) is `value`.
+local function stored_is(value)
+  return (redis.call('HGET', key, 'r') or '') == value
 end
