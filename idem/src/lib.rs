@@ -13,3 +13,8 @@ pub use idem_dynamo as dynamo;
 /// The PostgreSQL store: single-statement transitions and a transactional mode.
 #[cfg(feature = "postgres")]
 pub use idem_postgres as postgres;
+
+/// The Kafka consumer runner: outcomes mapped to in-order offset commits, pauses and a
+/// dead-letter topic.
+#[cfg(feature = "kafka")]
+pub use idem_kafka as kafka;

@@ -1,0 +1,241 @@
+//! Runner options.
+
+use std::time::Duration;
+
+use crate::dead_letter::DeadLetterTopic;
+use crate::error::RunnerError;
+
+/// Options of a [`KafkaRunner`](crate::KafkaRunner). Every field has a default; set them with
+/// the `with_*` methods.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_kafka::{DeadLetterTopic, RunnerOptions};
+///
+/// let options = RunnerOptions::default()
+///     .with_max_in_flight(8)
+///     .with_commit_interval(Duration::from_millis(500))
+///     .with_dead_letter_topic(DeadLetterTopic::Fixed("payments.dlq".into()));
+/// # let _ = options;
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RunnerOptions {
+    /// Records processed at once across all partitions (default 16). Within a partition records
+    /// are always processed one at a time, in offset order.
+    pub max_in_flight: usize,
+    /// Records buffered per partition ahead of the one in process (default 2048). A partition
+    /// whose buffer is full is paused until it drains to half.
+    ///
+    /// Keep it well above what the handler gets through in `fetch.wait.max.ms` (500 ms by
+    /// default): a pause drops what the client prefetched for the partition, and after the resume
+    /// the refetch may wait for a fetch request already in flight, up to that long. With 256 the
+    /// runner measured about 480 records/s on one partition (the buffer ran dry at every resume);
+    /// with 2048, about 4,300.
+    pub max_buffered_per_partition: usize,
+    /// How often resolved offsets are committed (default 1 s). Commits also happen at every
+    /// revocation and at shutdown.
+    pub commit_interval: Duration,
+    /// Shortest pause before a record is tried again (default 50 ms), so a hint of zero never
+    /// spins.
+    pub min_retry_delay: Duration,
+    /// Longest pause before a record is tried again (default 5 s): a key held by a live lease is
+    /// looked at again at least this often, even when the holder's lease runs longer.
+    pub max_retry_delay: Duration,
+    /// Where dead-lettered records go (default: the source topic + `.dlq`).
+    pub dead_letter_topic: DeadLetterTopic,
+    /// How long one dead-letter write may take before it is tried again (default 30 s).
+    pub dead_letter_timeout: Duration,
+    /// Longest wait of a revocation for the revoked partitions' in-flight records to release their
+    /// leases or finish (default 10 s). The group's rebalance waits that long at most.
+    pub revoke_timeout: Duration,
+    /// Longest wait for one lease release on revocation (default 5 s); a release that fails
+    /// leaves the key to expire (and counts an attempt at the takeover).
+    pub release_timeout: Duration,
+    /// Longest wait at shutdown for in-flight records to finish (default 30 s); the ones still
+    /// running then are cancelled and their leases released, as on revocation.
+    pub drain_timeout: Duration,
+    /// Longest time the poll thread blocks in one poll (default 50 ms): the latency of applying a
+    /// pause, a resume or a shutdown.
+    pub poll_interval: Duration,
+}
+
+impl Default for RunnerOptions {
+    fn default() -> Self {
+        Self {
+            max_in_flight: 16,
+            max_buffered_per_partition: 2048,
+            commit_interval: Duration::from_secs(1),
+            min_retry_delay: Duration::from_millis(50),
+            max_retry_delay: Duration::from_secs(5),
+            dead_letter_topic: DeadLetterTopic::default(),
+            dead_letter_timeout: Duration::from_secs(30),
+            revoke_timeout: Duration::from_secs(10),
+            release_timeout: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(30),
+            poll_interval: Duration::from_millis(50),
+        }
+    }
+}
+
+impl RunnerOptions {
+    /// Sets [`max_in_flight`](Self::max_in_flight).
+    pub fn with_max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+
+    /// Sets [`max_buffered_per_partition`](Self::max_buffered_per_partition).
+    pub fn with_max_buffered_per_partition(mut self, n: usize) -> Self {
+        self.max_buffered_per_partition = n;
+        self
+    }
+
+    /// Sets [`commit_interval`](Self::commit_interval).
+    pub fn with_commit_interval(mut self, interval: Duration) -> Self {
+        self.commit_interval = interval;
+        self
+    }
+
+    /// Sets [`min_retry_delay`](Self::min_retry_delay) and [`max_retry_delay`](Self::max_retry_delay).
+    pub fn with_retry_delays(mut self, min: Duration, max: Duration) -> Self {
+        self.min_retry_delay = min;
+        self.max_retry_delay = max;
+        self
+    }
+
+    /// Sets [`dead_letter_topic`](Self::dead_letter_topic).
+    pub fn with_dead_letter_topic(mut self, topic: DeadLetterTopic) -> Self {
+        self.dead_letter_topic = topic;
+        self
+    }
+
+    /// Sets [`dead_letter_timeout`](Self::dead_letter_timeout).
+    pub fn with_dead_letter_timeout(mut self, timeout: Duration) -> Self {
+        self.dead_letter_timeout = timeout;
+        self
+    }
+
+    /// Sets [`revoke_timeout`](Self::revoke_timeout).
+    pub fn with_revoke_timeout(mut self, timeout: Duration) -> Self {
+        self.revoke_timeout = timeout;
+        self
+    }
+
+    /// Sets [`release_timeout`](Self::release_timeout).
+    pub fn with_release_timeout(mut self, timeout: Duration) -> Self {
+        self.release_timeout = timeout;
+        self
+    }
+
+    /// Sets [`drain_timeout`](Self::drain_timeout).
+    pub fn with_drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// Sets [`poll_interval`](Self::poll_interval).
+    pub fn with_poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// The pause before trying a record again, from the outcome's hint.
+    pub(crate) fn retry_delay(&self, hint: Duration) -> Duration {
+        hint.clamp(self.min_retry_delay, self.max_retry_delay)
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), RunnerError> {
+        if self.max_in_flight == 0 {
+            return Err(RunnerError::config("max_in_flight", "must be at least 1"));
+        }
+        if self.max_buffered_per_partition == 0 {
+            return Err(RunnerError::config(
+                "max_buffered_per_partition",
+                "must be at least 1",
+            ));
+        }
+        if self.min_retry_delay.is_zero() || self.min_retry_delay > self.max_retry_delay {
+            return Err(RunnerError::config(
+                "retry_delay",
+                format!(
+                    "min {:?} must be above zero and at most max {:?}",
+                    self.min_retry_delay, self.max_retry_delay
+                ),
+            ));
+        }
+        for (field, d) in [
+            ("commit_interval", self.commit_interval),
+            ("dead_letter_timeout", self.dead_letter_timeout),
+            ("revoke_timeout", self.revoke_timeout),
+            ("release_timeout", self.release_timeout),
+            ("poll_interval", self.poll_interval),
+        ] {
+            if d.is_zero() {
+                return Err(RunnerError::config(field, "must be above zero"));
+            }
+        }
+        self.dead_letter_topic.validate()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_delay_is_clamped() {
+        let o = RunnerOptions::default();
+        assert_eq!(o.retry_delay(Duration::ZERO), Duration::from_millis(50));
+        assert_eq!(
+            o.retry_delay(Duration::from_secs(1)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            o.retry_delay(Duration::from_secs(30)),
+            Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        assert!(RunnerOptions::default().validate().is_ok());
+        let r = RunnerOptions::default().with_max_in_flight(0).validate();
+        assert!(
+            matches!(
+                r,
+                Err(RunnerError::Config {
+                    field: "max_in_flight",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        let r = RunnerOptions::default()
+            .with_retry_delays(Duration::from_secs(2), Duration::from_secs(1))
+            .validate();
+        assert!(
+            matches!(
+                r,
+                Err(RunnerError::Config {
+                    field: "retry_delay",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        let r = RunnerOptions::default()
+            .with_dead_letter_topic(crate::DeadLetterTopic::Suffix(String::new()))
+            .validate();
+        assert!(
+            matches!(
+                r,
+                Err(RunnerError::Config {
+                    field: "dead_letter_topic",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+    }
+}

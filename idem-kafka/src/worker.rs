@@ -1,0 +1,310 @@
+//! One partition's worker: takes its records in offset order and resolves them one at a time.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use idem_core::executor::{BrokerAction, Codec, Executor, ExecutorError, Outcome};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::dead_letter::{self, DeadLetterInfo, DeadLetterProducer};
+use crate::flow::Flow;
+use crate::handler::Handler;
+use crate::message::KafkaMessage;
+use crate::options::RunnerOptions;
+use crate::stats::{RunnerStats, metric_names as m};
+
+/// Everything a worker shares with the other workers of its runner.
+pub(crate) struct Common<H, C> {
+    pub(crate) executor: Executor<C>,
+    pub(crate) handler: Arc<H>,
+    pub(crate) dead_letter: Arc<DeadLetterProducer>,
+    pub(crate) in_flight: Arc<Semaphore>,
+    pub(crate) options: Arc<RunnerOptions>,
+    pub(crate) stats: Arc<RunnerStats>,
+    /// Cancelled when the runner shuts down: finish the record in process, start no other.
+    pub(crate) drain: CancellationToken,
+}
+
+impl<H, C> Clone for Common<H, C> {
+    fn clone(&self) -> Self {
+        Self {
+            executor: self.executor.clone(),
+            handler: Arc::clone(&self.handler),
+            dead_letter: Arc::clone(&self.dead_letter),
+            in_flight: Arc::clone(&self.in_flight),
+            options: Arc::clone(&self.options),
+            stats: Arc::clone(&self.stats),
+            drain: self.drain.clone(),
+        }
+    }
+}
+
+pub(crate) struct Worker<H, T, C> {
+    pub(crate) common: Common<H, C>,
+    pub(crate) flow: Arc<Mutex<Flow>>,
+    pub(crate) records: mpsc::UnboundedReceiver<KafkaMessage>,
+    /// Cancelled when the partition is revoked (or the drain timed out): release the lease of the
+    /// record in process, resolve nothing more.
+    pub(crate) revoke: CancellationToken,
+    /// Dropped when the worker ends; the poll thread waits on it.
+    pub(crate) _exited: std::sync::mpsc::Sender<()>,
+    pub(crate) _result: PhantomData<fn() -> T>,
+}
+
+/// Pause before writing to the dead-letter topic again after a failed write (clamped to the
+/// retry delays).
+const DEAD_LETTER_RETRY_HINT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What the worker does after a record.
+enum Next {
+    /// The record is resolved: take the next one.
+    Continue,
+    /// The record is resolved but the partition was revoked meanwhile: stop.
+    Stop,
+    /// The record is left unresolved (revoked, or shutting down): stop.
+    Abandoned,
+}
+
+/// How one executor call ended, as the worker sees it.
+enum Step<T> {
+    Done(Result<Outcome<T>, ExecutorError>),
+    /// The partition was revoked while the handler ran: the lease was released (or its release
+    /// tried) and the call dropped.
+    Revoked,
+}
+
+impl<H, T, C> Worker<H, T, C>
+where
+    H: Handler<T>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    C: Codec,
+{
+    pub(crate) async fn run(mut self) {
+        loop {
+            let msg = tokio::select! {
+                biased;
+                () = self.revoke.cancelled() => return,
+                () = self.common.drain.cancelled() => return,
+                msg = self.records.recv() => match msg {
+                    Some(msg) => msg,
+                    None => return,
+                },
+            };
+            lock(&self.flow).taken();
+            let span = tracing::debug_span!(
+                "idem_kafka_record",
+                topic = msg.topic(),
+                partition = msg.partition(),
+                offset = msg.offset()
+            );
+            match self.process(&msg).instrument(span).await {
+                Next::Continue => {}
+                Next::Stop => return,
+                Next::Abandoned => {
+                    RunnerStats::bump(&self.common.stats.abandoned);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Processes one record until it is resolved or the worker must stop.
+    async fn process(&self, msg: &KafkaMessage) -> Next {
+        let common = &self.common;
+        loop {
+            let permit = tokio::select! {
+                biased;
+                () = self.revoke.cancelled() => return Next::Abandoned,
+                () = common.drain.cancelled() => return Next::Abandoned,
+                permit = common.in_flight.acquire() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => return Next::Abandoned,
+                },
+            };
+            let attempt = Arc::new(AtomicU32::new(0));
+            let step = self.run_once(msg, Arc::clone(&attempt)).await;
+            drop(permit);
+            let result = match step {
+                Step::Revoked => return Next::Abandoned,
+                Step::Done(result) => result,
+            };
+            let revoked = self.revoke.is_cancelled();
+            let delay = match BrokerAction::of(&result) {
+                BrokerAction::Ack => {
+                    match &result {
+                        Ok(Outcome::Executed(_)) => {
+                            RunnerStats::count(&common.stats.executed, m::EXECUTED);
+                        }
+                        Ok(Outcome::Replayed(_)) => {
+                            RunnerStats::count(&common.stats.replayed, m::REPLAYED);
+                        }
+                        _ => RunnerStats::bump(&common.stats.acked_other),
+                    }
+                    self.resolved(msg);
+                    tracing::debug!(outcome = outcome_name(&result), "resolved");
+                    // Resolved even when revoked meanwhile: the revocation commits it.
+                    return if revoked { Next::Stop } else { Next::Continue };
+                }
+                _ if revoked => return Next::Abandoned,
+                BrokerAction::DeadLetter { reason } => {
+                    let info =
+                        dead_letter::classify(&result, reason, attempt.load(Ordering::Relaxed));
+                    drop(result);
+                    match self.dead_letter(msg, info).await {
+                        Ok(()) => return Next::Continue,
+                        Err(()) if self.revoke.is_cancelled() => return Next::Abandoned,
+                        Err(()) => common.options.retry_delay(DEAD_LETTER_RETRY_HINT),
+                    }
+                }
+                BrokerAction::Retry { after } => {
+                    tracing::debug!(
+                        outcome = outcome_name(&result),
+                        hint = ?after,
+                        "not resolved: pausing the partition before trying again"
+                    );
+                    common.options.retry_delay(after)
+                }
+                _ => common.options.min_retry_delay,
+            };
+            if common.drain.is_cancelled() {
+                return Next::Abandoned;
+            }
+            RunnerStats::count(&common.stats.retries, m::RETRIES);
+            lock(&self.flow).set_retry_wait(true);
+            let slept = tokio::select! {
+                biased;
+                () = self.revoke.cancelled() => false,
+                () = common.drain.cancelled() => false,
+                () = tokio::time::sleep(delay) => true,
+            };
+            lock(&self.flow).set_retry_wait(false);
+            if !slept {
+                return Next::Abandoned;
+            }
+        }
+    }
+
+    /// One executor call. The handler is wrapped so that a revocation while it runs releases the
+    /// lease (no attempt counted) and abandons the call.
+    async fn run_once(&self, msg: &KafkaMessage, attempt: Arc<AtomicU32>) -> Step<T> {
+        let common = &self.common;
+        let released = CancellationToken::new();
+        let handler = Arc::clone(&common.handler);
+        let store = common.executor.store().clone();
+        let revoke = self.revoke.clone();
+        let release_timeout = common.options.release_timeout;
+        let stats = Arc::clone(&common.stats);
+        let record = msg.clone();
+        let signal = released.clone();
+        let call = common.executor.run(msg, move |ctx| async move {
+            attempt.store(ctx.attempt(), Ordering::Relaxed);
+            let lease = ctx.lease().cloned();
+            if !revoke.is_cancelled() {
+                tokio::select! {
+                    biased;
+                    () = revoke.cancelled() => {}
+                    result = handler.call(record, ctx) => return result,
+                }
+            }
+            // Revoked while holding the lease: give the key back without counting an attempt,
+            // then never return, so the executor records nothing (the caller drops this call).
+            if let Some(lease) = lease {
+                match tokio::time::timeout(release_timeout, store.release(&lease)).await {
+                    Ok(Ok(())) => {
+                        RunnerStats::count(&stats.released, m::RELEASED);
+                        tracing::info!(key = %lease.key, token = %lease.token, "partition revoked: lease released");
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(key = %lease.key, error = %e, "partition revoked: lease release failed; the key stays held until its lease expires");
+                    }
+                    Err(_) => {
+                        tracing::warn!(key = %lease.key, "partition revoked: lease release timed out; the key stays held until its lease expires");
+                    }
+                }
+            }
+            signal.cancel();
+            std::future::pending().await
+        });
+        tokio::select! {
+            biased;
+            result = call => Step::Done(result),
+            () = released.cancelled() => Step::Revoked,
+        }
+    }
+
+    /// Writes the record to the dead-letter topic; on success it is resolved.
+    async fn dead_letter(&self, msg: &KafkaMessage, info: DeadLetterInfo) -> Result<(), ()> {
+        let common = &self.common;
+        let key_id = common
+            .executor
+            .config()
+            .key_source
+            .extract(msg)
+            .ok()
+            .flatten();
+        let attempts = match info.attempts {
+            Some(n) => Some(n),
+            None => self.stored_attempts(key_id.as_deref()).await,
+        };
+        let headers = dead_letter::headers(msg, &info, attempts, key_id.as_deref());
+        let sent = tokio::select! {
+            biased;
+            () = self.revoke.cancelled() => return Err(()),
+            sent = common.dead_letter.send(msg, headers) => sent,
+        };
+        match sent {
+            Ok(topic) => {
+                RunnerStats::bump(&common.stats.dead_lettered);
+                metrics::counter!(m::DEAD_LETTERED, "reason" => info.reason.as_str()).increment(1);
+                tracing::warn!(
+                    reason = info.reason.as_str(),
+                    error = %info.error,
+                    attempts = ?attempts,
+                    key = key_id.as_deref(),
+                    dead_letter_topic = %topic,
+                    "record dead-lettered"
+                );
+                self.resolved(msg);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "dead-letter write failed; pausing the partition and trying again");
+                Err(())
+            }
+        }
+    }
+
+    /// The attempt count the store holds for the key (best effort, for the dead-letter header).
+    async fn stored_attempts(&self, key_id: Option<&str>) -> Option<u32> {
+        let executor = &self.common.executor;
+        let key = executor.namespace().key(key_id?).ok()?;
+        match executor.store().get(&key).await {
+            Ok(Some(record)) => Some(record.attempts),
+            _ => None,
+        }
+    }
+
+    fn resolved(&self, msg: &KafkaMessage) {
+        lock(&self.flow).resolved(msg.offset());
+    }
+}
+
+fn outcome_name<T>(result: &Result<Outcome<T>, ExecutorError>) -> &'static str {
+    match result {
+        Ok(outcome) => outcome.name(),
+        Err(ExecutorError::Store { .. }) => "store_error",
+        Err(_) => "error",
+    }
+}
+
+/// Locks a flow; a poisoned lock (a panic while holding it, which only bookkeeping does) is
+/// still usable.
+pub(crate) fn lock(flow: &Mutex<Flow>) -> std::sync::MutexGuard<'_, Flow> {
+    flow.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

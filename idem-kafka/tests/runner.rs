@@ -1,0 +1,741 @@
+//! The runner against a real Kafka-protocol broker (`IDEM_KAFKA_BROKERS`, default
+//! `127.0.0.1:9092`; start one with `scripts/services.sh kafka`) and Redis (`IDEM_REDIS_URL`).
+//! Never skipped: a missing server fails the test.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use idem_core::executor::KeySource;
+use idem_core::executor::{ExecutorConfig, HandlerContext, HandlerError};
+use idem_core::{IdempotencyStore, MemoryStore, RecordState};
+use idem_kafka::{KafkaMessage, KafkaRunner, RunnerOptions};
+use tokio::sync::oneshot;
+
+fn fast_options() -> RunnerOptions {
+    RunnerOptions::default()
+        .with_commit_interval(Duration::from_millis(100))
+        .with_retry_delays(Duration::from_millis(20), Duration::from_millis(500))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_each_key_once_and_commits_to_the_end() {
+    init_tracing();
+    let topic = unique("basic");
+    let group = unique("g");
+    create_topic(&topic, 3).await;
+    let mut recs = Vec::new();
+    for i in 0..30 {
+        recs.push(Rec::keyed(
+            i % 3,
+            &format!("k{i}"),
+            format!("{{\"n\":{i}}}"),
+        ));
+    }
+    // duplicates
+    for i in 0..10 {
+        recs.push(Rec::keyed(
+            i % 3,
+            &format!("k{i}"),
+            format!("{{\"n\":{i}}}"),
+        ));
+    }
+    let ends = ends(&produce(&topic, &recs).await);
+
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    let runs = Arc::new(AtomicU32::new(0));
+    let r = Arc::clone(&runs);
+    let handler = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let r = Arc::clone(&r);
+        async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, HandlerError>(msg.payload().len())
+        }
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store, ExecutorConfig::new("basic")),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(runner.run(async {
+        let _ = stop_rx.await;
+    }));
+    let started = Instant::now();
+    let done = wait_for(Duration::from_secs(60), || {
+        let s = Arc::clone(&stats);
+        async move { s.resolved() >= 40 }
+    })
+    .await;
+    assert!(
+        done,
+        "resolved {} of 40 in {:?}",
+        stats.resolved(),
+        started.elapsed()
+    );
+    stop_tx.send(()).unwrap();
+    task.await.unwrap().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 30);
+    assert_eq!((stats.executed(), stats.replayed()), (30, 10));
+    let committed = committed(&group, &topic, 3);
+    assert_eq!(
+        committed, ends,
+        "committed offsets at the end of each partition"
+    );
+}
+
+/// Starts `runner` in the background; returns the stop signal and the task.
+fn start<H, T>(
+    runner: KafkaRunner<H, T>,
+) -> (
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), idem_kafka::RunnerError>>,
+)
+where
+    H: idem_kafka::Handler<T>,
+    T: serde::Serialize + serde::de::DeserializeOwned + Send + 'static,
+{
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(runner.run(async {
+        let _ = stop_rx.await;
+    }));
+    (stop_tx, task)
+}
+
+async fn stop(
+    (tx, task): (
+        oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<(), idem_kafka::RunnerError>>,
+    ),
+) {
+    let _ = tx.send(());
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("runner stops within 30 s")
+        .unwrap()
+        .unwrap();
+}
+
+async fn resolved_at_least(stats: &Arc<idem_kafka::RunnerStats>, n: u64, timeout: Duration) {
+    let ok = wait_for(timeout, || {
+        let s = Arc::clone(stats);
+        async move { s.resolved() >= n }
+    })
+    .await;
+    assert!(
+        ok,
+        "resolved {} of {n} within {timeout:?}: {stats:?}",
+        stats.resolved()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_message_is_dead_lettered_after_max_attempts_without_blocking_its_partition() {
+    init_tracing();
+    let topic = unique("poison");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
+    let mut poison = Rec::keyed(0, "poison", "{\"always\":\"fails\"}");
+    poison.headers.push(("trace-id".into(), "t-1".into()));
+    let keyless = Rec {
+        partition: 0,
+        key: None,
+        value: "no key".into(),
+        headers: vec![],
+    };
+    let mut recs = vec![poison, Rec::keyed(0, "bad", "{\"terminal\":true}"), keyless];
+    for i in 0..5 {
+        recs.push(Rec::keyed(0, &format!("ok{i}"), "{}"));
+    }
+    let ends = ends(&produce(&topic, &recs).await);
+
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    let poison_runs = Arc::new(AtomicU32::new(0));
+    let p = Arc::clone(&poison_runs);
+    let handler = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let p = Arc::clone(&p);
+        async move {
+            match msg.key() {
+                Some(b"poison") => {
+                    p.fetch_add(1, Ordering::SeqCst);
+                    Err(HandlerError::retryable(std::io::Error::other(
+                        "downstream says no",
+                    )))
+                }
+                Some(b"bad") => Err(HandlerError::terminal(std::io::Error::other(
+                    "malformed amount",
+                ))),
+                _ => Ok(()),
+            }
+        }
+    };
+    let config = ExecutorConfig::new("poison")
+        .with_max_attempts(3)
+        .with_retry_delay(Duration::from_millis(50));
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store.clone(), config),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, 8, Duration::from_secs(60)).await;
+    stop(running).await;
+
+    assert_eq!(
+        poison_runs.load(Ordering::SeqCst),
+        3,
+        "ran max_attempts times"
+    );
+    assert_eq!(
+        (stats.executed(), stats.dead_lettered()),
+        (5, 3),
+        "{stats:?}"
+    );
+    assert_eq!(committed(&group, &topic, 1), ends);
+
+    let dlq = read_topic(&format!("{topic}.dlq"), 3, Duration::from_secs(20)).await;
+    assert_eq!(dlq.len(), 3, "three dead-letter records");
+    use idem_kafka::rdkafka::message::Message as _;
+    let p = dlq
+        .iter()
+        .find(|m| m.key() == Some(b"poison"))
+        .expect("poison dead-lettered");
+    assert_eq!(
+        p.payload(),
+        Some(&b"{\"always\":\"fails\"}"[..]),
+        "original value"
+    );
+    assert_eq!(
+        header(p, "idempotency-key").as_deref(),
+        Some("poison"),
+        "original headers"
+    );
+    assert_eq!(header(p, "trace-id").as_deref(), Some("t-1"));
+    assert_eq!(
+        header(p, idem_kafka::HEADER_REASON).as_deref(),
+        Some("exhausted")
+    );
+    assert_eq!(header(p, idem_kafka::HEADER_ATTEMPTS).as_deref(), Some("3"));
+    assert_eq!(
+        header(p, idem_kafka::HEADER_ERROR).as_deref(),
+        Some("downstream says no")
+    );
+    assert_eq!(header(p, idem_kafka::HEADER_KEY).as_deref(), Some("poison"));
+    assert_eq!(
+        header(p, idem_kafka::HEADER_SOURCE_TOPIC).as_deref(),
+        Some(topic.as_str())
+    );
+    assert_eq!(
+        header(p, idem_kafka::HEADER_SOURCE_OFFSET).as_deref(),
+        Some("0")
+    );
+    let b = dlq
+        .iter()
+        .find(|m| m.key() == Some(b"bad"))
+        .expect("terminal failure dead-lettered");
+    assert_eq!(
+        header(b, idem_kafka::HEADER_REASON).as_deref(),
+        Some("failed")
+    );
+    assert_eq!(header(b, idem_kafka::HEADER_ATTEMPTS).as_deref(), Some("1"));
+    assert_eq!(
+        header(b, idem_kafka::HEADER_ERROR).as_deref(),
+        Some("malformed amount")
+    );
+    let k = dlq
+        .iter()
+        .find(|m| m.key().is_none())
+        .expect("keyless record dead-lettered");
+    assert_eq!(k.payload(), Some(&b"no key"[..]));
+    assert_eq!(
+        header(k, idem_kafka::HEADER_REASON).as_deref(),
+        Some("missing_key")
+    );
+    assert_eq!(header(k, idem_kafka::HEADER_ATTEMPTS).as_deref(), Some("0"));
+    assert_eq!(header(k, idem_kafka::HEADER_KEY), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_slower_than_the_lease_keeps_it_and_the_duplicate_waits_paused() {
+    init_tracing();
+    let topic = unique("slow");
+    let group = unique("g");
+    create_topic(&topic, 2).await;
+    // The same delivery twice, on two partitions, so both copies are in process at once.
+    let recs = vec![Rec::keyed(0, "slow", "{}"), Rec::keyed(1, "slow", "{}")];
+    let ends = ends(&produce(&topic, &recs).await);
+
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    let runs = Arc::new(AtomicU32::new(0));
+    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (r, t) = (Arc::clone(&runs), Arc::clone(&tokens));
+    let handler = move |_msg: KafkaMessage, ctx: HandlerContext| {
+        let (r, t) = (Arc::clone(&r), Arc::clone(&t));
+        async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            t.lock().unwrap().push(ctx.token().unwrap());
+            // Three leases long: only heartbeats keep the key.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            Ok::<_, HandlerError>("done".to_owned())
+        }
+    };
+    let config = ExecutorConfig::new("slow")
+        .with_lease_ttl(Duration::from_secs(1))
+        .with_heartbeat_interval(Duration::from_millis(250));
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store.clone(), config),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let started = Instant::now();
+    let running = start(runner);
+    resolved_at_least(&stats, 2, Duration::from_secs(60)).await;
+    let elapsed = started.elapsed();
+    stop(running).await;
+
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "no takeover: the handler ran once"
+    );
+    assert_eq!((stats.executed(), stats.replayed()), (1, 1), "{stats:?}");
+    assert!(
+        stats.retries() >= 1,
+        "the duplicate met InProgress and waited: {stats:?}"
+    );
+    assert!(
+        stats.retries() <= 20,
+        "it waited paused, it did not spin: {stats:?}"
+    );
+    assert!(elapsed >= Duration::from_secs(3), "{elapsed:?}");
+    let key = idem_core::Namespace::new("slow")
+        .unwrap()
+        .key("slow")
+        .unwrap();
+    let record = store.get(&key).await.unwrap().expect("record");
+    assert!(
+        matches!(record.state, RecordState::Completed { .. }),
+        "{record:?}"
+    );
+    assert_eq!(record.attempts, 1, "{record:?}");
+    assert_eq!(
+        record.token,
+        tokens.lock().unwrap()[0],
+        "the lease was never taken over"
+    );
+    assert_eq!(committed(&group, &topic, 2), ends);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoked_partition_releases_its_lease_and_the_next_owner_runs_at_once() {
+    init_tracing();
+    let topic = unique("revoke");
+    let group = unique("g");
+    create_topic(&topic, 2).await;
+    let recs = vec![
+        Rec::keyed(0, "held", "{}"),
+        Rec::keyed(1, "other-1", "{}"),
+        Rec::keyed(1, "other-2", "{}"),
+    ];
+    let ends = ends(&produce(&topic, &recs).await);
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    // A 60 s lease: waiting for it to expire would blow the test's time limits.
+    let config = ExecutorConfig::new("revoke")
+        .with_lease_ttl(Duration::from_secs(60))
+        .with_heartbeat_interval(Duration::from_secs(5));
+
+    // Consumer A blocks on "held" until it is cancelled (its first run only).
+    let a_runs = Arc::new(AtomicU32::new(0));
+    let (entered_tx, entered_rx) = tokio::sync::watch::channel(false);
+    let a = Arc::clone(&a_runs);
+    let handler_a = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let a = Arc::clone(&a);
+        let entered = entered_tx.clone();
+        async move {
+            if msg.key() == Some(b"held") && a.fetch_add(1, Ordering::SeqCst) == 0 {
+                let _ = entered.send(true);
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, HandlerError>("a".to_owned())
+        }
+    };
+    let runner_a = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store.clone(), config.clone().with_owner("consumer-a")),
+        handler_a,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats_a = runner_a.stats();
+    let running_a = start(runner_a);
+    let mut entered = entered_rx;
+    tokio::time::timeout(Duration::from_secs(30), entered.wait_for(|e| *e))
+        .await
+        .expect("A starts the held record")
+        .unwrap();
+
+    let b_runs = Arc::new(AtomicU32::new(0));
+    let b = Arc::clone(&b_runs);
+    let handler_b = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let b = Arc::clone(&b);
+        async move {
+            if msg.key() == Some(b"held") {
+                b.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok::<_, HandlerError>("b".to_owned())
+        }
+    };
+    let runner_b = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store.clone(), config.clone().with_owner("consumer-b")),
+        handler_b,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats_b = runner_b.stats();
+    let joined = Instant::now();
+    let running_b = start(runner_b);
+
+    let key = idem_core::Namespace::new("revoke")
+        .unwrap()
+        .key("held")
+        .unwrap();
+    let s = store.clone();
+    let k = key.clone();
+    let completed = wait_for(Duration::from_secs(30), || {
+        let (s, k) = (s.clone(), k.clone());
+        async move {
+            matches!(s.get(&k).await, Ok(Some(r)) if matches!(r.state, RecordState::Completed { .. }))
+        }
+    })
+    .await;
+    let took = joined.elapsed();
+    assert!(
+        completed,
+        "the held key completed after the rebalance: A {stats_a:?} B {stats_b:?}"
+    );
+    assert!(
+        took < Duration::from_secs(30),
+        "well before the 60 s lease expired: {took:?}"
+    );
+    assert_eq!(
+        stats_a.released(),
+        1,
+        "A released its lease on revocation: {stats_a:?}"
+    );
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(
+        record.attempts, 1,
+        "the release counted no attempt: {record:?}"
+    );
+    let second_runs = a_runs.load(Ordering::SeqCst) - 1 + b_runs.load(Ordering::SeqCst);
+    assert_eq!(
+        second_runs, 1,
+        "exactly one owner ran it after the revocation"
+    );
+    eprintln!(
+        "held key completed {took:?} after B joined, by {} (A runs {}, B runs {})",
+        record.owner,
+        a_runs.load(Ordering::SeqCst),
+        b_runs.load(Ordering::SeqCst)
+    );
+    let both = Arc::clone(&stats_a);
+    let sb = Arc::clone(&stats_b);
+    assert!(
+        wait_for(Duration::from_secs(20), || {
+            let (a, b) = (Arc::clone(&both), Arc::clone(&sb));
+            let (group, topic) = (group.clone(), topic.clone());
+            let ends = ends.clone();
+            async move {
+                let _ = (a, b);
+                tokio::task::spawn_blocking(move || committed(&group, &topic, 2) == ends)
+                    .await
+                    .unwrap()
+            }
+        })
+        .await,
+        "committed offsets reach the end of both partitions"
+    );
+    stop(running_b).await;
+    stop(running_a).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_outage_pauses_the_partition_and_commits_nothing_until_it_is_back() {
+    init_tracing();
+    let topic = unique("outage");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    let recs: Vec<Rec> = (0..50)
+        .map(|i| Rec::keyed(0, &format!("k{i}"), "{}"))
+        .collect();
+    let ends = ends(&produce(&topic, &recs).await);
+    let memory = MemoryStore::new();
+    memory.set_available(false);
+    let store = shared(memory.clone());
+    let config = ExecutorConfig::new("outage").with_retry_delay(Duration::from_millis(200));
+    let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
+    let runner = KafkaRunner::builder(consumer_config(&group), executor(store, config), handler)
+        .topic(&topic)
+        .options(fast_options().with_max_buffered_per_partition(4))
+        .build()
+        .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    // Wait until the runner met the outage, then watch it for two seconds.
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            let s = Arc::clone(&stats);
+            async move { s.retries() >= 1 }
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(stats.resolved(), 0, "{stats:?}");
+    assert!(
+        stats.retries() <= 15,
+        "one try per hinted delay (200 ms), no spinning: {stats:?}"
+    );
+    assert!(
+        stats.received() <= 4 + 2,
+        "the paused partition stopped fetching at the buffer bound: {stats:?}"
+    );
+    assert_eq!(
+        committed(&group, &topic, 1).get(&0),
+        Some(&-1),
+        "nothing committed"
+    );
+
+    memory.set_available(true);
+    resolved_at_least(&stats, 50, Duration::from_secs(60)).await;
+    stop(running).await;
+    assert_eq!(stats.executed(), 50, "{stats:?}");
+    assert_eq!(committed(&group, &topic, 1), ends);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_the_record_in_process_and_commits_what_finished() {
+    init_tracing();
+    let topic = unique("drain");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    let recs: Vec<Rec> = (0..3)
+        .map(|i| Rec::keyed(0, &format!("k{i}"), "{}"))
+        .collect();
+    let ends = ends(&produce(&topic, &recs).await);
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    let runs = Arc::new(AtomicU32::new(0));
+    let (entered_tx, mut entered_rx) = tokio::sync::watch::channel(0u32);
+    let make_handler = |slow: bool| {
+        let r = Arc::clone(&runs);
+        let entered = entered_tx.clone();
+        move |_msg: KafkaMessage, _ctx: HandlerContext| {
+            let r = Arc::clone(&r);
+            let entered = entered.clone();
+            async move {
+                let n = r.fetch_add(1, Ordering::SeqCst) + 1;
+                let _ = entered.send(n);
+                if slow {
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                }
+                Ok::<_, HandlerError>(())
+            }
+        }
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store.clone(), ExecutorConfig::new("drain")),
+        make_handler(true),
+    )
+    .topic(&topic)
+    .options(fast_options().with_commit_interval(Duration::from_secs(60)))
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let (tx, task) = start(runner);
+    tokio::time::timeout(Duration::from_secs(30), entered_rx.wait_for(|n| *n >= 1))
+        .await
+        .expect("first record started")
+        .unwrap();
+    let asked = Instant::now();
+    tx.send(()).unwrap();
+    task.await.unwrap().unwrap();
+    assert!(
+        asked.elapsed() >= Duration::from_millis(1000),
+        "waited for the record in process"
+    );
+    assert_eq!(
+        (stats.executed(), runs.load(Ordering::SeqCst)),
+        (1, 1),
+        "{stats:?}"
+    );
+    // The commit interval is long: only the shutdown commit can have committed offset 1.
+    assert_eq!(committed(&group, &topic, 1).get(&0), Some(&1));
+
+    // A new runner in the same group continues after the committed record.
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store, ExecutorConfig::new("drain")),
+        make_handler(false),
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, 2, Duration::from_secs(30)).await;
+    stop(running).await;
+    assert_eq!((stats.executed(), stats.replayed()), (2, 0), "{stats:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    assert_eq!(committed(&group, &topic, 1), ends);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_from_the_record_key_or_a_closure() {
+    init_tracing();
+    let topic = unique("keys");
+    create_topic(&topic, 1).await;
+    let rec = |key: &str, value: &str| Rec {
+        partition: 0,
+        key: Some(key.to_owned()),
+        value: value.to_owned(),
+        headers: vec![("tenant".into(), "acme".into())],
+    };
+    let recs = vec![
+        rec("a", "1"),
+        rec("b", "2"),
+        rec("a", "1"),
+        rec("a", "other"),
+    ];
+    produce(&topic, &recs).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
+    for (name, source) in [
+        ("record-key", KeySource::message_key()),
+        (
+            "closure",
+            KeySource::from_fn(|m| {
+                let tenant = std::str::from_utf8(m.header("tenant")?).ok()?;
+                let key = std::str::from_utf8(m.message_key()?).ok()?;
+                Some(format!("{tenant}/{key}"))
+            }),
+        ),
+    ] {
+        let store = shared(redis_store(&unique("idem-kafka-test")).await);
+        let handler = |msg: KafkaMessage, _ctx: HandlerContext| async move {
+            Ok::<_, HandlerError>(msg.payload().to_vec())
+        };
+        let config = ExecutorConfig::new("keys").with_key_source(source);
+        let runner = KafkaRunner::builder(
+            consumer_config(&unique("g")),
+            executor(store.clone(), config),
+            handler,
+        )
+        .topic(&topic)
+        .options(fast_options())
+        .build()
+        .unwrap();
+        let stats = runner.stats();
+        let running = start(runner);
+        resolved_at_least(&stats, 4, Duration::from_secs(30)).await;
+        stop(running).await;
+        assert_eq!(
+            (stats.executed(), stats.replayed(), stats.dead_lettered()),
+            (2, 1, 1),
+            "{name}: {stats:?}"
+        );
+        let id = if name == "closure" { "acme/a" } else { "a" };
+        let key = idem_core::Namespace::new("keys").unwrap().key(id).unwrap();
+        assert!(
+            store.get(&key).await.unwrap().is_some(),
+            "{name}: key {id} stored"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_is_bounded_across_partitions_and_order_kept_within_each() {
+    init_tracing();
+    let topic = unique("order");
+    let group = unique("g");
+    create_topic(&topic, 3).await;
+    let recs: Vec<Rec> = (0..60)
+        .map(|i| Rec::keyed(i % 3, &format!("k{i}"), "{}"))
+        .collect();
+    let ends = ends(&produce(&topic, &recs).await);
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    let in_flight = Arc::new(AtomicU32::new(0));
+    let max_seen = Arc::new(AtomicU32::new(0));
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (f, m, o) = (
+        Arc::clone(&in_flight),
+        Arc::clone(&max_seen),
+        Arc::clone(&order),
+    );
+    let handler = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let (f, m, o) = (Arc::clone(&f), Arc::clone(&m), Arc::clone(&o));
+        async move {
+            let now = f.fetch_add(1, Ordering::SeqCst) + 1;
+            m.fetch_max(now, Ordering::SeqCst);
+            o.lock().unwrap().push((msg.partition(), msg.offset()));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            f.fetch_sub(1, Ordering::SeqCst);
+            Ok::<_, HandlerError>(())
+        }
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store, ExecutorConfig::new("order")),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options().with_max_in_flight(2))
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, 60, Duration::from_secs(60)).await;
+    stop(running).await;
+    let max = max_seen.load(Ordering::SeqCst);
+    assert_eq!(
+        max, 2,
+        "at most max_in_flight at once, and partitions did run in parallel"
+    );
+    let order = order.lock().unwrap();
+    for p in 0..3 {
+        let offsets: Vec<i64> = order
+            .iter()
+            .filter(|(q, _)| *q == p)
+            .map(|(_, o)| *o)
+            .collect();
+        assert_eq!(
+            offsets,
+            (0..20).collect::<Vec<i64>>(),
+            "partition {p} ran in offset order"
+        );
+    }
+    assert_eq!(committed(&group, &topic, 3), ends);
+}
