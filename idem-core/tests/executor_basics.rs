@@ -406,6 +406,11 @@ fn invalid_configurations_name_the_field() {
         ),
         (
             "heartbeat_interval",
+            ok().with_lease_ttl(Duration::from_secs(10))
+                .with_heartbeat_interval(Duration::from_millis(5001)),
+        ),
+        (
+            "heartbeat_interval",
             ok().with_heartbeat_interval(Duration::ZERO),
         ),
         ("retention", ok().with_retention(Duration::ZERO)),
@@ -511,8 +516,22 @@ async fn long_error_messages_are_truncated_on_a_char_boundary() {
     );
 }
 
+#[test]
+fn half_the_lease_is_the_longest_heartbeat_interval() {
+    let store: idem_core::DynStore = Arc::new(MemoryStore::new());
+    let exec = Executor::new(
+        store,
+        ExecutorConfig::new("ns")
+            .with_lease_ttl(Duration::from_secs(10))
+            .with_heartbeat_interval(Duration::from_secs(5)),
+    )
+    .unwrap();
+    assert_eq!(exec.heartbeat_interval(), Duration::from_secs(5));
+}
+
 #[tokio::test]
-async fn oversized_results_become_terminal_failures() {
+async fn oversized_results_are_not_stored_but_never_rerun() {
+    use idem_core::IdempotencyStore;
     let store = MemoryStore::new();
     let exec = executor(&store, ExecutorConfig::new("n").with_max_result_len(16));
     let runs = AtomicUsize::new(0);
@@ -524,13 +543,70 @@ async fn oversized_results_become_terminal_failures() {
             })
             .await
             .unwrap();
-        match &r {
-            Outcome::Failed { error } => assert!(error.contains("over the limit"), "{error}"),
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(r.action(), BrokerAction::DeadLetter { .. }));
+        let Outcome::ResultNotStored { error } = &r else {
+            panic!("{r:?}")
+        };
+        assert!(
+            error.starts_with("result not stored (the handler's effect was applied): "),
+            "{error}"
+        );
+        assert!(error.contains("over the limit"), "{error}");
+        assert_eq!(r.name(), "result_not_stored");
+        assert_eq!(
+            r.action(),
+            BrokerAction::DeadLetter {
+                reason: format!("result_not_stored: {error}")
+            }
+        );
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let record = store
+        .get(&exec.namespace().key("k").unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    match record.state {
+        RecordState::Failed {
+            error,
+            retryable: false,
+        } => assert!(error.starts_with("result not stored (the handler's effect was applied): ")),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A result whose serialization fails.
+struct Unencodable;
+
+impl Serialize for Unencodable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("cannot encode this"))
+    }
+}
+
+impl<'de> Deserialize<'de> for Unencodable {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+        Err(serde::de::Error::custom("never stored"))
+    }
+}
+
+#[tokio::test]
+async fn results_that_do_not_encode_are_not_stored_but_never_rerun() {
+    let store = MemoryStore::new();
+    let exec = executor(&store, ExecutorConfig::new("n"));
+    let r = exec
+        .run(&msg("k", "{}"), |_| async {
+            Ok::<_, HandlerError>(Unencodable)
+        })
+        .await
+        .unwrap();
+    let Outcome::ResultNotStored { error } = &r else {
+        panic!("{:?}", r.name())
+    };
+    assert!(
+        error.starts_with("result not stored (the handler's effect was applied): "),
+        "{error}"
+    );
+    assert!(error.contains("cannot encode this"), "{error}");
 }
 
 #[tokio::test]

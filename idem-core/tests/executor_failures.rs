@@ -322,9 +322,12 @@ async fn fail_open_runs_the_handler_and_says_it_was_not_deduplicated() {
 async fn a_store_lost_while_the_handler_runs_is_reported_with_handler_ran() {
     for policy in [StoreErrorPolicy::FailClosed, StoreErrorPolicy::FailOpen] {
         let store = MemoryStore::new();
+        // The completion is retried while the lease holds: keep the lease short.
         let exec = Executor::new(
             Arc::new(store.clone()),
-            ExecutorConfig::new("mid").with_store_errors(policy),
+            ExecutorConfig::new("mid")
+                .with_store_errors(policy)
+                .with_lease_ttl(Duration::from_millis(200)),
         )
         .unwrap();
         let down = store.clone();
@@ -562,4 +565,223 @@ fn outcomes_are_counted() {
     assert_eq!(get(metric_names::TAKEOVERS), 1, "{counts:?}");
     assert_eq!(get(metric_names::STORE_ERRORS), 1, "{counts:?}");
     assert!(token.load(Ordering::SeqCst) > 0);
+}
+
+/// A store whose first `fail_completes` completions fail with `Unavailable` (without effect), the
+/// next one takes effect but answers `Unavailable` if `lose_reply` is set, and `get` fails with
+/// `Unavailable` while `fail_gets` is set.
+#[derive(Debug, Default)]
+struct Flaky {
+    inner: MemoryStore,
+    fail_completes: AtomicU64,
+    completes: AtomicU64,
+    lose_reply: AtomicBool,
+    fail_gets: AtomicBool,
+}
+
+#[async_trait]
+impl IdempotencyStore for Flaky {
+    fn name(&self) -> &'static str {
+        "flaky"
+    }
+    fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+    async fn acquire(&self, req: &AcquireRequest) -> idem_core::Result<AcquireOutcome> {
+        self.inner.acquire(req).await
+    }
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> idem_core::Result<Lease> {
+        self.inner.extend(lease, ttl).await
+    }
+    async fn complete(
+        &self,
+        lease: &Lease,
+        result: Bytes,
+        retention: Duration,
+    ) -> idem_core::Result<()> {
+        let n = self.completes.fetch_add(1, Ordering::SeqCst);
+        if n < self.fail_completes.load(Ordering::SeqCst) {
+            return Err(Error::unavailable("flaky", "blip"));
+        }
+        self.inner.complete(lease, result, retention).await?;
+        if self.lose_reply.swap(false, Ordering::SeqCst) {
+            return Err(Error::unavailable("flaky", "reply lost"));
+        }
+        Ok(())
+    }
+    async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        retryable: bool,
+        retention: Duration,
+    ) -> idem_core::Result<()> {
+        self.inner.fail(lease, error, retryable, retention).await
+    }
+    async fn release(&self, lease: &Lease) -> idem_core::Result<()> {
+        self.inner.release(lease).await
+    }
+    async fn get(&self, key: &IdempotencyKey) -> idem_core::Result<Option<Record>> {
+        if self.fail_gets.load(Ordering::SeqCst) {
+            return Err(Error::unavailable("flaky", "get down"));
+        }
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &IdempotencyKey) -> idem_core::Result<bool> {
+        self.inner.delete(key).await
+    }
+    async fn purge_expired(&self, limit: usize) -> idem_core::Result<u64> {
+        self.inner.purge_expired(limit).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_outage_longer_than_the_lease_cancels_the_handler_before_the_lease_expires() {
+    let store = MemoryStore::new();
+    let lease = Duration::from_secs(10);
+    let exec = Executor::new(
+        Arc::new(store.clone()),
+        ExecutorConfig::new("outage").with_lease_ttl(lease),
+    )
+    .unwrap();
+    let down = store.clone();
+    let start = tokio::time::Instant::now();
+    let seen_deadline = Arc::new(Mutex::new(None));
+    let dropped_at = Arc::new(Mutex::new(None));
+    let (seen, dropped) = (seen_deadline.clone(), dropped_at.clone());
+    let r = exec
+        .run(&msg("k"), move |ctx| async move {
+            *seen.lock().unwrap() = ctx.lease_deadline();
+            /// Records when the handler's future is dropped.
+            struct OnDrop(Arc<Mutex<Option<tokio::time::Instant>>>);
+            impl Drop for OnDrop {
+                fn drop(&mut self) {
+                    *self.0.lock().unwrap() = Some(tokio::time::Instant::now());
+                }
+            }
+            let _guard = OnDrop(dropped);
+            down.set_available(false);
+            // Longer than the lease; heartbeats fail meanwhile.
+            tokio::time::sleep(lease * 3).await;
+            Ok::<u8, HandlerError>(1)
+        })
+        .await
+        .unwrap();
+    assert!(matches!(r, Outcome::LeaseLost { .. }), "{r:?}");
+    // The local deadline: the acquire's send time + the lease - a tenth of it.
+    let deadline = seen_deadline
+        .lock()
+        .unwrap()
+        .expect("a leased handler has a deadline");
+    assert_eq!(deadline, start + lease - lease / 10);
+    let dropped = dropped_at.lock().unwrap().expect("the handler was dropped");
+    assert!(dropped >= deadline, "{:?}", dropped - start);
+    assert!(
+        dropped < start + lease,
+        "cancelled at {:?}",
+        dropped - start
+    );
+    // Nothing recorded: the key is still in progress under the first attempt.
+    store.set_available(true);
+    let rec = record(&store, &exec, "k").await;
+    assert_eq!(rec.state, RecordState::InProgress);
+    assert_eq!(rec.attempts, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn successful_heartbeats_move_the_local_deadline_on() {
+    let store = MemoryStore::new();
+    let lease = Duration::from_secs(10);
+    let exec = Executor::new(
+        Arc::new(store.clone()),
+        ExecutorConfig::new("beats").with_lease_ttl(lease),
+    )
+    .unwrap();
+    let start = tokio::time::Instant::now();
+    let r = exec
+        .run(&msg("k"), move |ctx| async move {
+            let first = ctx.lease_deadline().unwrap();
+            // Three leases long: the heartbeats keep the handler alive.
+            tokio::time::sleep(lease * 3).await;
+            let later = ctx.lease_deadline().unwrap();
+            assert!(later > first + lease, "{first:?} -> {later:?}");
+            assert!(!ctx.is_cancelled());
+            Ok::<u8, HandlerError>(1)
+        })
+        .await
+        .unwrap();
+    assert!(matches!(r, Outcome::Executed(1)), "{r:?}");
+    assert!(start.elapsed() >= lease * 3);
+}
+
+#[tokio::test]
+async fn a_short_store_blip_after_the_handler_is_retried_while_the_lease_holds() {
+    // Six failures take at least 10 + 20 + 40 + 80 + 160 ms of backoff: a blip of over 100 ms.
+    let store = Arc::new(Flaky::default());
+    store.fail_completes.store(6, Ordering::SeqCst);
+    let exec = Executor::new(
+        store.clone(),
+        ExecutorConfig::new("blip").with_lease_ttl(Duration::from_secs(10)),
+    )
+    .unwrap();
+    let start = std::time::Instant::now();
+    let r = exec
+        .run(&msg("k"), |_| async { Ok::<u8, HandlerError>(7) })
+        .await
+        .unwrap();
+    assert!(matches!(r, Outcome::Executed(7)), "{r:?}");
+    assert!(
+        start.elapsed() >= Duration::from_millis(100),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(store.completes.load(Ordering::SeqCst), 7);
+    let rec = record(&*store, &exec, "k").await;
+    assert!(
+        matches!(rec.state, RecordState::Completed { .. }),
+        "{rec:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_store_error_on_the_read_back_is_reported_as_a_store_error() {
+    let store = Arc::new(Flaky::default());
+    store.lose_reply.store(true, Ordering::SeqCst);
+    store.fail_gets.store(true, Ordering::SeqCst);
+    let exec = Executor::new(store.clone(), ExecutorConfig::new("readback")).unwrap();
+    let r = exec
+        .run(&msg("k"), |_| async { Ok::<u8, HandlerError>(7) })
+        .await;
+    match r {
+        Err(ExecutorError::Store {
+            stage: StoreStage::Complete,
+            handler_ran: true,
+            source: Error::Unavailable { .. },
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_panicking_dead_letter_hook_is_caught() {
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let exec = Executor::builder(Arc::new(store.clone()))
+        .config(ExecutorConfig::new("hook").with_max_attempts(1))
+        .on_dead_letter(move |_| {
+            c.fetch_add(1, Ordering::SeqCst);
+            panic!("hook bug");
+        })
+        .build()
+        .unwrap();
+    let r = exec
+        .run(&msg("k"), |_| async {
+            Err::<u8, _>(HandlerError::retryable(std::io::Error::other("boom")))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(r, Outcome::Exhausted { attempts: 1, .. }), "{r:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }

@@ -116,7 +116,7 @@ pub struct ExecutorConfig {
     pub owner: Option<String>,
     /// How long a lease lasts without a heartbeat (default [`DEFAULT_LEASE_TTL`]).
     pub lease_ttl: Duration,
-    /// Time between heartbeats; strictly below the lease. `None` means a third of the lease.
+    /// Time between heartbeats; at most half the lease. `None` means a third of the lease.
     pub heartbeat_interval: Option<Duration>,
     /// How long finished records are kept (default [`DEFAULT_RETENTION`]).
     pub retention: Duration,
@@ -187,7 +187,7 @@ impl ExecutorConfig {
         self
     }
 
-    /// Sets the heartbeat interval.
+    /// Sets the heartbeat interval (at most half the lease).
     pub fn with_heartbeat_interval(mut self, interval: Duration) -> Self {
         self.heartbeat_interval = Some(interval);
         self
@@ -272,11 +272,12 @@ impl ExecutorConfig {
         };
         check_lease_ttl(self.lease_ttl).map_err(|e| ConfigError::from_core("lease_ttl", e))?;
         let heartbeat = self.effective_heartbeat_interval();
-        if heartbeat.is_zero() || heartbeat >= self.lease_ttl {
+        if heartbeat.is_zero() || heartbeat > self.lease_ttl / 2 {
             return Err(ConfigError::new(
                 "heartbeat_interval",
                 format!(
-                    "is {heartbeat:?}; it must be above zero and strictly below the lease ({:?})",
+                    "is {heartbeat:?}; it must be above zero and at most half the lease ({:?}), \
+                     so that a failed heartbeat is retried before the lease expires",
                     self.lease_ttl
                 ),
             ));

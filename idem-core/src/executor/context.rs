@@ -2,7 +2,10 @@
 
 use std::fmt;
 
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use super::heartbeat::LeaseDeadline;
 
 use crate::error::BoxError;
 use crate::key::IdempotencyKey;
@@ -18,15 +21,22 @@ pub struct HandlerContext {
     lease: Option<Lease>,
     takeover: bool,
     cancel: CancellationToken,
+    deadline: Option<LeaseDeadline>,
 }
 
 impl HandlerContext {
-    pub(crate) fn leased(lease: Lease, takeover: bool, cancel: CancellationToken) -> Self {
+    pub(crate) fn leased(
+        lease: Lease,
+        takeover: bool,
+        cancel: CancellationToken,
+        deadline: LeaseDeadline,
+    ) -> Self {
         Self {
             key: Some(lease.key.clone()),
             lease: Some(lease),
             takeover,
             cancel,
+            deadline: Some(deadline),
         }
     }
 
@@ -36,6 +46,7 @@ impl HandlerContext {
             lease: None,
             takeover: false,
             cancel: CancellationToken::new(),
+            deadline: None,
         }
     }
 
@@ -71,13 +82,38 @@ impl HandlerContext {
         self.lease.is_some()
     }
 
-    /// Cancelled when a heartbeat finds the lease lost. The executor then drops the handler's
-    /// future at its next await point anyway; handlers doing blocking work can check it.
+    /// The local lease deadline: until when this worker may assume it holds the lease. `None`
+    /// when not deduplicated.
+    ///
+    /// It is the instant the acquire, or the last successful heartbeat, was *sent*, plus the lease
+    /// TTL, minus a safety margin of a tenth of the lease (for clock drift between this process
+    /// and the store). Heartbeats move it on; when the store is unreachable it stays put, and when
+    /// it passes the executor cancels the handler (see the
+    /// [module docs](crate::executor#lost-lease)). Check it (against
+    /// [`tokio::time::Instant::now`]) before an irreversible action, and leave enough time for the
+    /// action itself:
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use idem_core::executor::HandlerContext;
+    /// fn may_charge(ctx: &HandlerContext) -> bool {
+    ///     ctx.lease_deadline()
+    ///         .is_none_or(|at| tokio::time::Instant::now() + Duration::from_secs(2) < at)
+    /// }
+    /// ```
+    pub fn lease_deadline(&self) -> Option<Instant> {
+        self.deadline.as_ref().map(LeaseDeadline::get)
+    }
+
+    /// Cancelled when a heartbeat finds the lease lost, or when the local
+    /// [lease deadline](Self::lease_deadline) passes without a successful heartbeat. The executor
+    /// then drops the handler's future at its next await point anyway; handlers doing blocking
+    /// work can check it.
     pub fn cancellation_token(&self) -> &CancellationToken {
         &self.cancel
     }
 
-    /// Whether the lease was found lost.
+    /// Whether the lease was found lost (or its local deadline passed).
     pub fn is_cancelled(&self) -> bool {
         self.cancel.is_cancelled()
     }

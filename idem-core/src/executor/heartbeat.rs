@@ -4,6 +4,12 @@
 //! costs a map insertion and removal. The task is spawned on the Tokio runtime of the first
 //! handler that needs it (and again if that runtime went away), holds only a weak reference to
 //! the executor, and ends when the executor is dropped.
+//!
+//! Each lease in flight also has a [`LeaseDeadline`]: the local instant until which this process
+//! may assume it still holds the lease. It is `sent + ttl - ttl / 10`, where `sent` is the instant
+//! the acquire or the last *successful* extend was sent (not answered: the store started the new
+//! lease at some point after that). The tenth of the lease is a safety margin for the drift
+//! between the local clock and the store's. The executor cancels a handler whose deadline passes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -40,7 +46,36 @@ struct State {
 struct Entry {
     lease: Lease,
     cancel: CancellationToken,
+    deadline: LeaseDeadline,
     due: Instant,
+}
+
+/// The local deadline of one lease, shared by the heartbeat task, the executor and the handler's
+/// context. Only moves forward.
+#[derive(Clone, Debug)]
+pub(crate) struct LeaseDeadline(Arc<Mutex<Instant>>);
+
+impl LeaseDeadline {
+    /// The deadline of a lease of `ttl` whose acquire was sent at `sent`.
+    pub(crate) fn new(sent: Instant, ttl: Duration) -> Self {
+        Self(Arc::new(Mutex::new(local_deadline(sent, ttl))))
+    }
+
+    /// The current deadline.
+    pub(crate) fn get(&self) -> Instant {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Moves the deadline on after an extension to `ttl` sent at `sent` succeeded.
+    fn extended(&self, sent: Instant, ttl: Duration) {
+        let mut at = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *at = (*at).max(local_deadline(sent, ttl));
+    }
+}
+
+/// `sent + ttl`, less the safety margin of a tenth of the lease.
+fn local_deadline(sent: Instant, ttl: Duration) -> Instant {
+    sent + (ttl - ttl / 10)
 }
 
 /// Keeps a lease heartbeating until dropped.
@@ -78,12 +113,14 @@ impl Heartbeats {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Heartbeats `lease` every interval from now until the registration is dropped; cancels
-    /// `cancel` if the store reports the lease lost. Must be called within a Tokio runtime.
+    /// Heartbeats `lease` every interval from now until the registration is dropped; moves
+    /// `deadline` on after every successful extension; cancels `cancel` if the store reports the
+    /// lease lost. Must be called within a Tokio runtime.
     pub(crate) fn register<'a>(
         self: &'a Arc<Self>,
         lease: Lease,
         cancel: CancellationToken,
+        deadline: LeaseDeadline,
     ) -> Registration<'a> {
         let mut state = self.lock();
         let id = state.next_id;
@@ -94,6 +131,7 @@ impl Heartbeats {
             Entry {
                 lease,
                 cancel,
+                deadline,
                 due: Instant::now() + self.every,
             },
         );
@@ -119,26 +157,29 @@ impl Heartbeats {
     /// Extends every due lease (concurrently), then reschedules or cancels each.
     async fn beat(&self) {
         let now = Instant::now();
-        let due: Vec<(u64, Lease, CancellationToken)> = self
+        let due: Vec<(u64, Lease, CancellationToken, LeaseDeadline)> = self
             .lock()
             .entries
             .iter()
             .filter(|(_, e)| e.due <= now)
-            .map(|(id, e)| (*id, e.lease.clone(), e.cancel.clone()))
+            .map(|(id, e)| (*id, e.lease.clone(), e.cancel.clone(), e.deadline.clone()))
             .collect();
         if due.is_empty() {
             return;
         }
+        // Taken before any request is sent: the store starts each new lease after it.
+        let sent = Instant::now();
         let results = join_all(
             due.iter()
-                .map(|(_, lease, _)| self.store.extend(lease, self.ttl)),
+                .map(|(_, lease, _, _)| self.store.extend(lease, self.ttl)),
         )
         .await;
         let next = Instant::now() + self.every;
         let mut state = self.lock();
-        for ((id, lease, cancel), result) in due.into_iter().zip(results) {
+        for ((id, lease, cancel, deadline), result) in due.into_iter().zip(results) {
             match result {
                 Ok(extended) => {
+                    deadline.extended(sent, self.ttl);
                     tracing::trace!(key = lease.key.id(), token = lease.token.get(), expires_at = ?extended.expires_at, "lease extended");
                 }
                 Err(e) if e.is_lease_lost() => {
@@ -151,7 +192,7 @@ impl Heartbeats {
                 Err(e) => {
                     metrics::counter!(m::STORE_ERRORS, "namespace" => self.ns_label.clone())
                         .increment(1);
-                    tracing::warn!(key = lease.key.id(), token = lease.token.get(), error = %e, "heartbeat failed; trying again at the next interval");
+                    tracing::warn!(key = lease.key.id(), token = lease.token.get(), error = %e, "heartbeat failed; trying again at the next interval (the handler is cancelled at its local lease deadline)");
                 }
             }
             if let Some(entry) = state.entries.get_mut(&id) {
@@ -227,7 +268,9 @@ mod tests {
         };
         let first = expiry().await;
         let cancel = CancellationToken::new();
-        let registration = heartbeats.register(lease, cancel.clone());
+        let deadline = LeaseDeadline::new(Instant::now(), Duration::from_secs(10));
+        let before = deadline.get();
+        let registration = heartbeats.register(lease, cancel.clone(), deadline.clone());
         clock.advance(Duration::from_secs(1));
         tokio::time::sleep(Duration::from_millis(30)).await;
         let extended = expiry().await;
@@ -235,6 +278,7 @@ mod tests {
             extended >= first + Duration::from_secs(1),
             "{first:?} -> {extended:?}"
         );
+        assert!(deadline.get() > before, "the local deadline moves on");
         drop(registration);
         assert!(heartbeats.lock().entries.is_empty());
         clock.advance(Duration::from_secs(1));

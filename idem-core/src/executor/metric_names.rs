@@ -28,5 +28,8 @@ pub const RETRYABLE_FAILURES: &str = "idem_retryable_failures";
 pub const PANICS: &str = "idem_panics";
 /// Terminal failures (recorded in this call or replayed).
 pub const FAILED: &str = "idem_failed";
+/// Handlers that succeeded but whose result could not be stored (recorded in this call or
+/// replayed): see [`Outcome::ResultNotStored`](super::Outcome::ResultNotStored).
+pub const RESULT_NOT_STORED: &str = "idem_result_not_stored";
 /// Messages processed without deduplication (missing key pass-through or fail-open).
 pub const NOT_DEDUPLICATED: &str = "idem_not_deduplicated";

@@ -42,14 +42,26 @@
 //! multi-threaded runtime it keeps beating while a handler blocks its worker thread), extends
 //! due leases concurrently, and ends when the executor is dropped. A round of extensions waits
 //! for all of them, so a store call that hangs until the store's own timeout delays the other
-//! heartbeats by as much: keep the interval well below the lease (the default is a third). A
-//! heartbeat that fails with a store error is logged, counted and retried at the next interval:
-//! only `LeaseLost` cancels.
+//! heartbeats by as much: keep the interval well below the lease (the default is a third; the
+//! configuration refuses more than half, so that a failed heartbeat is tried again before the
+//! lease runs out). A heartbeat that fails with a store error is logged, counted and retried at
+//! the next interval. The lease stays registered until the completion or failure is recorded
+//! (see [store errors](#store-errors)).
 //!
-//! **Lost lease.** When a heartbeat reports [`LeaseLost`](crate::Error::LeaseLost), the
-//! handler's [`CancellationToken`](tokio_util::sync::CancellationToken) is cancelled and its
-//! future dropped; nothing is recorded and the outcome is [`Outcome::LeaseLost`]. A completion
-//! or failure refused by the store's fencing gives the same outcome.
+//! **Local lease deadline.** Each lease in flight has a local deadline: the instant the acquire,
+//! or the last *successful* heartbeat, was *sent*, plus the lease TTL, minus a safety margin of a
+//! tenth of the lease (for clock drift between this process and the store, and the time a
+//! request takes to reach it). While the store is unreachable the heartbeats fail and the
+//! deadline stays put; when it passes, the store may have let the lease expire and another
+//! consumer may have taken the key over, so the handler is cancelled exactly as for a lost lease
+//! (below). Handlers read it with [`HandlerContext::lease_deadline`], to check before an
+//! irreversible action that enough of the lease is left.
+//!
+//! **Lost lease.** When a heartbeat reports [`LeaseLost`](crate::Error::LeaseLost), or the local
+//! lease deadline passes while the handler runs, the handler's
+//! [`CancellationToken`](tokio_util::sync::CancellationToken) is cancelled and its future
+//! dropped; nothing is recorded and the outcome is [`Outcome::LeaseLost`]. A completion or
+//! failure refused by the store's fencing gives the same outcome.
 //!
 //! **Panics.** A panic in the handler is caught (`catch_unwind` on its future), recorded as a
 //! *retryable* failure (`handler panicked: <message>`, so the key is acquirable again and the
@@ -64,8 +76,12 @@
 //!
 //! **Results** are encoded by the [`Codec`] ([`JsonCodec`] by default) and stored on
 //! completion; a replayed result that does not decode is [`ExecutorError::Decode`]. A result
-//! over the size limit, or one that does not encode, is recorded as a *terminal* failure: the
-//! handler's effect happened, and running it again would repeat it.
+//! over the size limit, or one that does not encode, is recorded as a *terminal* failure (the
+//! handler's effect happened, and running it again would repeat it) whose error starts with
+//! `result not stored (the handler's effect was applied): `, and reported as
+//! [`Outcome::ResultNotStored`], not [`Outcome::Failed`]: the work did *not* fail. Later
+//! deliveries get [`Outcome::ResultNotStored`] too (recognized by that error text). Its broker
+//! action is [`BrokerAction::DeadLetter`] with the reason `result_not_stored: <error>`.
 //!
 //! # Dead-letter hook
 //!
@@ -77,16 +93,21 @@
 //! *crashes* (its lease expires with no failure recorded; the store then answers `Exhausted` with
 //! no error to every delivery, and no call can tell it is the first). Both still get
 //! [`Outcome::Exhausted`], whose action is [`BrokerAction::DeadLetter`], at every delivery: use
-//! the broker action for the dead-letter queue itself, and the hook for alerting.
+//! the broker action for the dead-letter queue itself, and the hook for alerting. A panic in the
+//! hook is caught and logged (at error level); the call carries on and returns its outcome.
 //!
 //! # Store errors
 //!
 //! By default ([`StoreErrorPolicy::FailClosed`]) a store error at acquire means the handler does
 //! not run and the call returns [`ExecutorError::Store`]. Completion and failure records are
-//! tried up to three times on [`Unavailable`](crate::Error::Unavailable) (backoff from 10 ms) before
-//! giving up; then the key stays in progress until its lease expires and a redelivery takes it
-//! over. With [`StoreErrorPolicy::FailOpen`] the handler runs anyway and the outcome is
-//! [`Outcome::NotDeduplicated`].
+//! retried on [`Unavailable`](crate::Error::Unavailable) with exponential backoff (from 10 ms, at
+//! most 1 s or a tenth of the lease) while the lease holds, heartbeating meanwhile: until the next
+//! try would come after the local lease deadline, or after a whole lease TTL of retries. Then the
+//! call gives up with the store error; the key stays in progress until its lease expires and a
+//! redelivery takes it over. A record refused as `LeaseLost` after a retry is read back (the
+//! earlier try may have taken effect with its reply lost); if that read fails, the outcome is its
+//! store error (with `handler_ran`), not `LeaseLost`. With [`StoreErrorPolicy::FailOpen`] the
+//! handler runs anyway and the outcome is [`Outcome::NotDeduplicated`].
 //!
 //! # Cancellation by the caller
 //!

@@ -55,9 +55,23 @@ pub enum Outcome<T> {
         /// The recorded error.
         error: String,
     },
-    /// The lease was lost to a takeover while the handler ran (it was cancelled), or the late
-    /// completion or failure was refused: another worker now owns the key. Nothing was recorded
-    /// by this call.
+    /// The handler succeeded (its effect was applied) but its result could not be stored: it is
+    /// over the size limit ([`max_result_len`](super::ExecutorConfig::max_result_len)) or the
+    /// codec failed to encode it. The key is recorded as a terminal failure whose error starts
+    /// with `result not stored (the handler's effect was applied): `, so the handler never runs
+    /// again; later deliveries get this outcome too (from that recorded error), with no value.
+    ///
+    /// Not a failure of the work: do not compensate or re-submit it as if it had failed. Its
+    /// action is [`BrokerAction::DeadLetter`] with the reason `result_not_stored: <error>`, for
+    /// an operator to look at.
+    ResultNotStored {
+        /// The recorded error (possibly truncated to the store's limit).
+        error: String,
+    },
+    /// The lease was lost to a takeover while the handler ran (it was cancelled), the local lease
+    /// deadline passed while the handler ran without a successful heartbeat (it was cancelled: the
+    /// store may have let the lease expire), or the late completion or failure was refused:
+    /// another worker may now own the key. Nothing was recorded by this call.
     LeaseLost {
         /// The configured [`retry_delay`](super::ExecutorConfig::retry_delay).
         retry_after: Duration,
@@ -78,7 +92,7 @@ pub enum Outcome<T> {
 
 impl<T> Outcome<T> {
     /// A short name for logs and metrics: `executed`, `replayed`, `in_progress`, `conflict`,
-    /// `retry`, `exhausted`, `failed`, `lease_lost`, `not_deduplicated`.
+    /// `retry`, `exhausted`, `failed`, `result_not_stored`, `lease_lost`, `not_deduplicated`.
     pub fn name(&self) -> &'static str {
         match self {
             Self::Executed(_) => "executed",
@@ -88,6 +102,7 @@ impl<T> Outcome<T> {
             Self::Retry { .. } => "retry",
             Self::Exhausted { .. } => "exhausted",
             Self::Failed { .. } => "failed",
+            Self::ResultNotStored { .. } => "result_not_stored",
             Self::LeaseLost { .. } => "lease_lost",
             Self::NotDeduplicated { .. } => "not_deduplicated",
         }
@@ -122,8 +137,9 @@ impl<T> Outcome<T> {
     /// | `InProgress` | `Retry` after the holder's lease |
     /// | `Retry`, `LeaseLost`, `NotDeduplicated` failed retryably | `Retry` after `retry_delay` |
     /// | `Conflict`, `Exhausted`, `Failed`, `NotDeduplicated` failed terminally | `DeadLetter` |
+    /// | `ResultNotStored` | `DeadLetter` with the reason `result_not_stored: <error>` |
     ///
-    /// `Exhausted` and `Failed` are returned to every later delivery too, so a consumer that
+    /// `Exhausted`, `Failed` and `ResultNotStored` are returned to every later delivery too, so a consumer that
     /// crashes between dead-lettering and acknowledging dead-letters the message again:
     /// dead-letter consumers should deduplicate by key.
     pub fn action(&self) -> BrokerAction {
@@ -164,6 +180,9 @@ impl<T> Outcome<T> {
             },
             Self::Failed { error } => BrokerAction::DeadLetter {
                 reason: format!("terminal failure: {error}"),
+            },
+            Self::ResultNotStored { error } => BrokerAction::DeadLetter {
+                reason: format!("result_not_stored: {error}"),
             },
         }
     }

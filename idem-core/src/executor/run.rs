@@ -4,11 +4,11 @@ use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
+use backon::{BackoffBuilder, ExponentialBuilder};
 use bytes::Bytes;
 use futures::FutureExt;
 use serde::Serialize;
@@ -22,6 +22,7 @@ use super::codec::Codec;
 use super::config::{MissingKeyPolicy, StoreErrorPolicy};
 use super::context::{HandlerContext, HandlerError};
 use super::error::{ExecutorError, StoreStage};
+use super::heartbeat::{Heartbeats, LeaseDeadline, Registration};
 use super::key_source::PayloadJson;
 use super::message::Message;
 use super::metric_names as m;
@@ -31,10 +32,44 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::record::{AcquireOutcome, AcquireRequest, Lease, RecordState};
 
-/// Tries of a completion or failure record on `Unavailable` (the first included).
-const RECORD_TRIES: usize = 3;
-/// First delay between those tries.
+/// First delay between the tries of a completion or failure record on `Unavailable`.
 const RECORD_RETRY_DELAY: Duration = Duration::from_millis(10);
+/// Longest delay between those tries (capped further at a tenth of the lease).
+const RECORD_MAX_DELAY: Duration = Duration::from_secs(1);
+
+/// How the error recorded for a result that could not be stored starts.
+pub(crate) const RESULT_NOT_STORED_PREFIX: &str =
+    "result not stored (the handler's effect was applied): ";
+
+/// Why a handler was cancelled.
+enum Cancelled {
+    /// A heartbeat found the lease lost.
+    LeaseLost,
+    /// The local lease deadline passed without a successful heartbeat.
+    Deadline,
+}
+
+/// A lease held by this call, with its local deadline and (once needed) its heartbeat.
+struct Leased<'a> {
+    heartbeats: &'a Arc<Heartbeats>,
+    lease: Lease,
+    cancel: CancellationToken,
+    deadline: LeaseDeadline,
+    registration: Option<Registration<'a>>,
+}
+
+impl Leased<'_> {
+    /// Starts heartbeating, if not yet.
+    fn heartbeat(&mut self) {
+        if self.registration.is_none() {
+            self.registration = Some(self.heartbeats.register(
+                self.lease.clone(),
+                self.cancel.clone(),
+                self.deadline.clone(),
+            ));
+        }
+    }
+}
 
 /// What one handler run came to.
 enum Handled<T> {
@@ -182,7 +217,7 @@ impl<C: Codec> Executor<C> {
             .with_fingerprint(fingerprint)
             .with_lease_ttl(inner.config.lease_ttl)
             .with_max_attempts(inner.config.max_attempts);
-        let acquired = match self.acquire(&req).await {
+        let (acquired, sent) = match self.acquire(&req).await {
             Ok(acquired) => acquired,
             Err(e) => {
                 let key = req.key.clone();
@@ -195,7 +230,7 @@ impl<C: Codec> Executor<C> {
         };
         match acquired {
             AcquireOutcome::Acquired { lease, takeover } => {
-                self.execute(lease, takeover, handler, span).await
+                self.execute(lease, sent, takeover, handler, span).await
             }
             AcquireOutcome::InProgress { owner, retry_after } => {
                 Ok(Outcome::InProgress { owner, retry_after })
@@ -216,19 +251,24 @@ impl<C: Codec> Executor<C> {
                 attempts,
                 last_error,
             }),
+            AcquireOutcome::Failed { error } if error.starts_with(RESULT_NOT_STORED_PREFIX) => {
+                Ok(Outcome::ResultNotStored { error })
+            }
             AcquireOutcome::Failed { error } => Ok(Outcome::Failed { error }),
         }
     }
 
-    /// Acquire, with the optional bounded wait while another worker holds the key.
-    async fn acquire(&self, req: &AcquireRequest) -> Result<AcquireOutcome, Error> {
+    /// Acquire, with the optional bounded wait while another worker holds the key. Also gives
+    /// the instant the last acquire was sent (a lease it grants starts after it).
+    async fn acquire(&self, req: &AcquireRequest) -> Result<(AcquireOutcome, Instant), Error> {
         let store = &self.inner.store;
+        let mut sent = Instant::now();
         let mut outcome = store.acquire(req).await?;
         let Some(wait) = self.inner.config.in_progress_wait else {
-            return Ok(outcome);
+            return Ok((outcome, sent));
         };
         if !matches!(outcome, AcquireOutcome::InProgress { .. }) {
-            return Ok(outcome);
+            return Ok((outcome, sent));
         }
         let deadline = Instant::now() + wait.max_wait;
         let mut delays = ExponentialBuilder::new()
@@ -250,15 +290,17 @@ impl<C: Codec> Executor<C> {
                 .min(*retry_after + Duration::from_millis(1))
                 .min(deadline - now);
             tokio::time::sleep(delay).await;
+            sent = Instant::now();
             outcome = store.acquire(req).await?;
         }
-        Ok(outcome)
+        Ok((outcome, sent))
     }
 
     /// Runs the handler under the lease, heartbeating, then records the result.
     async fn execute<F, Fut, T>(
         &self,
         lease: Lease,
+        sent: Instant,
         takeover: bool,
         handler: F,
         span: &Span,
@@ -276,69 +318,101 @@ impl<C: Codec> Executor<C> {
             tracing::info!(attempt = lease.attempt, "took over an expired lease");
         }
         let cancel = CancellationToken::new();
-        let ctx = HandlerContext::leased(lease.clone(), takeover, cancel.clone());
-        let mut run = pin!(handle(handler, ctx));
-        let handled = match futures::poll!(run.as_mut()) {
-            Poll::Ready(handled) => Some(handled),
-            Poll::Pending => {
-                let _heartbeat = inner.heartbeats.register(lease.clone(), cancel.clone());
-                tokio::select! {
-                    biased;
-                    handled = run.as_mut() => Some(handled),
-                    () = cancel.cancelled() => None,
+        let deadline = LeaseDeadline::new(sent, inner.config.lease_ttl);
+        let mut leased = Leased {
+            heartbeats: &inner.heartbeats,
+            lease: lease.clone(),
+            cancel: cancel.clone(),
+            deadline: deadline.clone(),
+            registration: None,
+        };
+        let ctx = HandlerContext::leased(lease, takeover, cancel.clone(), deadline.clone());
+        let handled = {
+            let mut run = pin!(handle(handler, ctx));
+            match futures::poll!(run.as_mut()) {
+                Poll::Ready(handled) => Ok(handled),
+                Poll::Pending => {
+                    leased.heartbeat();
+                    loop {
+                        let at = deadline.get();
+                        tokio::select! {
+                            biased;
+                            handled = run.as_mut() => break Ok(handled),
+                            () = cancel.cancelled() => break Err(Cancelled::LeaseLost),
+                            () = tokio::time::sleep_until(at) => {
+                                // A heartbeat may have moved the deadline on meanwhile.
+                                if deadline.get() <= Instant::now() {
+                                    cancel.cancel();
+                                    break Err(Cancelled::Deadline);
+                                }
+                            }
+                        }
+                    }
                 }
             }
+            // The handler's future is dropped here, before anything is recorded.
         };
         match handled {
-            None => {
+            Err(Cancelled::LeaseLost) => {
                 tracing::warn!("lease lost while the handler ran: handler cancelled");
                 Ok(self.lease_lost())
             }
-            Some(Handled::Value(value)) => self.complete(lease, value).await,
-            Some(Handled::Error(e)) => {
+            Err(Cancelled::Deadline) => {
+                tracing::warn!(
+                    "local lease deadline passed without a successful heartbeat: handler cancelled"
+                );
+                Ok(self.lease_lost())
+            }
+            Ok(Handled::Value(value)) => self.complete(&mut leased, value).await,
+            Ok(Handled::Error(e)) => {
                 let terminal = e.is_terminal();
-                self.record_failure(lease, e.message(), terminal, false)
+                self.record_failure(&mut leased, e.message(), terminal, false)
                     .await
             }
-            Some(Handled::Panicked(message)) => {
+            Ok(Handled::Panicked(message)) => {
                 self.count(m::PANICS);
-                self.record_failure(lease, format!("handler panicked: {message}"), false, true)
-                    .await
+                self.record_failure(
+                    &mut leased,
+                    format!("handler panicked: {message}"),
+                    false,
+                    true,
+                )
+                .await
             }
         }
+        // `leased` (and its heartbeat) lives until the record is settled.
     }
 
     async fn complete<T: Serialize>(
         &self,
-        lease: Lease,
+        leased: &mut Leased<'_>,
         value: T,
     ) -> Result<Outcome<T>, ExecutorError> {
         let inner = &self.inner;
         let bytes = match inner.codec.encode(&value) {
             Ok(bytes) if bytes.len() <= inner.max_result_len => Bytes::from(bytes),
             Ok(bytes) => {
-                let error = format!(
+                let detail = format!(
                     "the result of {} bytes is over the limit of {} bytes",
                     bytes.len(),
                     inner.max_result_len
                 );
-                tracing::error!(%error, "recording a terminal failure");
-                return self.record_failure(lease, error, true, false).await;
+                return self.result_not_stored(leased, detail, value).await;
             }
             Err(e) => {
-                let error = format!("the result does not encode: {e}");
-                tracing::error!(%error, "recording a terminal failure");
-                return self.record_failure(lease, error, true, false).await;
+                let detail = format!("the result does not encode: {e}");
+                return self.result_not_stored(leased, detail, value).await;
             }
         };
-        let tries = AtomicU32::new(0);
-        let recorded = record_with_retry(&tries, || {
-            inner
-                .store
-                .complete(&lease, bytes.clone(), inner.config.retention)
-        })
-        .await;
-        match self.settle(recorded, &tries, &lease).await {
+        let lease = leased.lease.clone();
+        let (recorded, tries) = self
+            .record_with_retry(leased, || {
+                inner
+                    .store
+                    .complete(&lease, bytes.clone(), inner.config.retention)
+            })
+            .await;
+        match self.settle(recorded, tries, &lease).await {
             Ok(()) => Ok(Outcome::Executed(value)),
             Err(e) if e.is_lease_lost() => {
                 tracing::warn!("completion refused: the lease was lost");
@@ -357,33 +431,72 @@ impl<C: Codec> Executor<C> {
         }
     }
 
+    /// The handler succeeded but its result cannot be stored: records a terminal failure (the
+    /// handler must never run again) and reports [`Outcome::ResultNotStored`].
+    async fn result_not_stored<T>(
+        &self,
+        leased: &mut Leased<'_>,
+        detail: String,
+        value: T,
+    ) -> Result<Outcome<T>, ExecutorError> {
+        let error = format!("{RESULT_NOT_STORED_PREFIX}{detail}");
+        tracing::error!(%error, "the handler succeeded but its result cannot be stored: recording a terminal failure");
+        Ok(
+            match self.record_failure(leased, error, true, false).await? {
+                Outcome::Failed { error } => Outcome::ResultNotStored { error },
+                // Failing open: the handler did succeed.
+                Outcome::NotDeduplicated {
+                    result: Err(_),
+                    reason,
+                    retry_after,
+                } => Outcome::NotDeduplicated {
+                    result: Ok(value),
+                    reason,
+                    retry_after,
+                },
+                other => other,
+            },
+        )
+    }
+
     async fn record_failure<T>(
         &self,
-        lease: Lease,
+        leased: &mut Leased<'_>,
         error: String,
         terminal: bool,
         panicked: bool,
     ) -> Result<Outcome<T>, ExecutorError> {
         let inner = &self.inner;
         let error = truncate_on_char_boundary(error, inner.max_error_len);
-        let tries = AtomicU32::new(0);
-        let recorded = record_with_retry(&tries, || {
-            inner
-                .store
-                .fail(&lease, &error, !terminal, inner.config.retention)
-        })
-        .await;
-        match self.settle(recorded, &tries, &lease).await {
+        let lease = leased.lease.clone();
+        let (recorded, tries) = self
+            .record_with_retry(leased, || {
+                inner
+                    .store
+                    .fail(&lease, &error, !terminal, inner.config.retention)
+            })
+            .await;
+        match self.settle(recorded, tries, &lease).await {
             Ok(()) if terminal => Ok(Outcome::Failed { error }),
             Ok(()) if lease.attempt >= inner.config.max_attempts => {
                 if let Some(hook) = &inner.dead_letter {
                     self.count(m::DEAD_LETTERED);
-                    hook(&DeadLetter {
+                    let event = DeadLetter {
                         key: lease.key,
                         attempts: lease.attempt,
                         last_error: error.clone(),
                         panicked,
-                    });
+                    };
+                    // A panicking hook must not take the caller's task (and consumer loop) down.
+                    if let Err(payload) =
+                        std::panic::catch_unwind(AssertUnwindSafe(|| hook(&event)))
+                    {
+                        tracing::error!(
+                            key = event.key.id(),
+                            panic = %panic_message(&*payload),
+                            "the dead-letter hook panicked; carrying on"
+                        );
+                    }
                 }
                 Ok(Outcome::Exhausted {
                     attempts: lease.attempt,
@@ -423,14 +536,17 @@ impl<C: Codec> Executor<C> {
     /// A record that was retried after `Unavailable` may have taken effect before its answer was
     /// lost: the retry then finds the key no longer in progress and gets `LeaseLost`. Read the
     /// record to tell that apart from a real takeover.
+    ///
+    /// If that read fails, its store error is the answer: the record may well have taken effect,
+    /// so `LeaseLost` would be a guess.
     async fn settle(
         &self,
         recorded: Result<(), Error>,
-        tries: &AtomicU32,
+        tries: u32,
         lease: &Lease,
     ) -> Result<(), Error> {
         match recorded {
-            Err(e) if e.is_lease_lost() && tries.load(Ordering::Relaxed) > 1 => {
+            Err(e) if e.is_lease_lost() && tries > 1 => {
                 match self.inner.store.get(&lease.key).await {
                     Ok(Some(record))
                         if record.token == lease.token
@@ -441,10 +557,62 @@ impl<C: Codec> Executor<C> {
                     {
                         Ok(())
                     }
-                    _ => Err(e),
+                    Ok(_) => Err(e),
+                    Err(read) => {
+                        tracing::warn!(
+                            error = %read,
+                            "could not read back a record refused after a retry"
+                        );
+                        Err(read)
+                    }
                 }
             }
             other => other,
+        }
+    }
+
+    /// Tries a completion or failure record, retrying on `Unavailable` with backoff while the
+    /// lease holds: until the next try would come after the local lease deadline (or after a
+    /// whole lease TTL spent retrying, when heartbeats keep moving that deadline on). The lease
+    /// heartbeats meanwhile. Gives the last result and the number of tries.
+    async fn record_with_retry<FutureFn, Fut>(
+        &self,
+        leased: &mut Leased<'_>,
+        mut op: FutureFn,
+    ) -> (Result<(), Error>, u32)
+    where
+        FutureFn: FnMut() -> Fut,
+        Fut: Future<Output = Result<(), Error>>,
+    {
+        let ttl = self.inner.config.lease_ttl;
+        let budget = Instant::now() + ttl;
+        let max_delay = RECORD_MAX_DELAY.min(ttl / 10);
+        let mut delays = ExponentialBuilder::new()
+            .with_min_delay(RECORD_RETRY_DELAY.min(max_delay))
+            .with_max_delay(max_delay)
+            .with_jitter()
+            .without_max_times()
+            .build();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match op().await {
+                Err(e) if e.is_retryable() => {
+                    leased.heartbeat();
+                    let delay = delays.next().unwrap_or(max_delay).min(max_delay);
+                    if Instant::now() + delay >= leased.deadline.get().min(budget) {
+                        tracing::warn!(
+                            tries,
+                            error = %e,
+                            "giving up recording: the lease is about to expire"
+                        );
+                        return (Err(e), tries);
+                    }
+                    tracing::debug!(tries, error = %e, ?delay, "record failed; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+                other => return (other, tries),
+            }
         }
     }
 
@@ -551,6 +719,7 @@ impl<C: Codec> Executor<C> {
                     Outcome::Conflict => Some(m::CONFLICTS),
                     Outcome::Exhausted { .. } => Some(m::EXHAUSTED),
                     Outcome::Failed { .. } => Some(m::FAILED),
+                    Outcome::ResultNotStored { .. } => Some(m::RESULT_NOT_STORED),
                     Outcome::LeaseLost { .. } => Some(m::LEASE_LOST),
                     Outcome::NotDeduplicated { .. } => Some(m::NOT_DEDUPLICATED),
                     Outcome::Retry { .. } => None,
@@ -574,6 +743,13 @@ impl<C: Codec> Executor<C> {
                     }
                     Outcome::Failed { error } => {
                         tracing::warn!(outcome = name, %error, "terminal failure");
+                    }
+                    Outcome::ResultNotStored { error } => {
+                        tracing::error!(
+                            outcome = name,
+                            %error,
+                            "the handler's effect was applied but its result is not stored"
+                        );
                     }
                     _ => tracing::warn!(outcome = name, "message processed"),
                 }
@@ -610,30 +786,6 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
     } else {
         "a non-string panic payload".to_owned()
     }
-}
-
-/// Retries a completion or failure record on `Unavailable`, counting the tries.
-async fn record_with_retry<'a, FutureFn, Fut>(
-    tries: &'a AtomicU32,
-    mut op: FutureFn,
-) -> Result<(), Error>
-where
-    FutureFn: FnMut() -> Fut + 'a,
-    Fut: Future<Output = Result<(), Error>>,
-{
-    let counted = move || {
-        tries.fetch_add(1, Ordering::Relaxed);
-        op()
-    };
-    counted
-        .retry(
-            ExponentialBuilder::new()
-                .with_min_delay(RECORD_RETRY_DELAY)
-                .with_max_times(RECORD_TRIES - 1)
-                .with_jitter(),
-        )
-        .when(Error::is_retryable)
-        .await
 }
 
 /// Truncates `s` to at most `max` bytes, on a UTF-8 character boundary.
