@@ -187,9 +187,11 @@ impl Shared {
         tracing::info!(assigned = ?list(tpl), "partitions assigned");
     }
 
-    /// Stops the workers of revoked partitions: their in-flight handlers are cancelled and their
-    /// leases released, then what they resolved is committed synchronously, all before the
-    /// partitions can be assigned elsewhere.
+    /// Stops the workers of revoked partitions: a record whose handler had not started yet has
+    /// its lease released; a running handler gets the revoke timeout to finish (signalled through
+    /// its context's cancellation token half-way) and is otherwise dropped with its lease left to
+    /// expire. Then what they resolved is committed synchronously, all before the partitions can
+    /// be assigned elsewhere.
     fn revoke(&self, consumer: &BaseConsumer<RunnerContext>, tpl: &TopicPartitionList) {
         let removed: Vec<(String, i32, Slot)> = {
             let mut slots = self.slots();
@@ -270,6 +272,20 @@ impl Shared {
             }
             _ => {}
         }
+    }
+
+    /// A partition whose worker ended although it was neither revoked nor told to stop: it
+    /// died (panicked). Its partition would otherwise stay stuck (paused, or fed to nobody).
+    pub(crate) fn dead_worker(&self) -> Option<(String, i32)> {
+        if self.draining.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.slots().iter().find_map(|(topic, partitions)| {
+            partitions
+                .iter()
+                .find(|(_, slot)| !slot.revoke.is_cancelled() && slot.has_exited())
+                .map(|(&partition, _)| (topic.clone(), partition))
+        })
     }
 
     /// Whether every worker ended.

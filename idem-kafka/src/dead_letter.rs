@@ -50,6 +50,9 @@ pub enum DeadLetterReason {
     InvalidMessage,
     /// `decode`: the stored result of the key does not decode as the handler's result type.
     Decode,
+    /// `result_not_stored`: the handler succeeded (its effect is applied) but its result could
+    /// not be stored; the key is recorded as terminal and never runs again.
+    ResultNotStored,
     /// `other`: an outcome or error this version of the runner does not know, whose action is
     /// dead-lettering.
     Other,
@@ -66,6 +69,7 @@ impl DeadLetterReason {
             Self::InvalidKey => "invalid_key",
             Self::InvalidMessage => "invalid_message",
             Self::Decode => "decode",
+            Self::ResultNotStored => "result_not_stored",
             Self::Other => "other",
         }
     }
@@ -148,6 +152,9 @@ pub(crate) fn classify<T>(
             result: Err(failure),
             ..
         }) => (DeadLetterReason::Failed, failure.error.clone(), Some(1)),
+        Ok(Outcome::ResultNotStored { error }) => {
+            (DeadLetterReason::ResultNotStored, error.clone(), ran)
+        }
         Ok(_) => (DeadLetterReason::Other, reason_text, ran),
         Err(ExecutorError::MissingKey) => (DeadLetterReason::MissingKey, reason_text, Some(0)),
         Err(ExecutorError::InvalidKey(_)) => (DeadLetterReason::InvalidKey, reason_text, Some(0)),
@@ -217,6 +224,13 @@ impl DeadLetterProducer {
         topic: DeadLetterTopic,
         timeout: Duration,
     ) -> Result<Self, RunnerError> {
+        // A write that timed out must not be delivered later, behind the retry: the client gives
+        // up on the message when the runner does.
+        let mut config = config.clone();
+        config.set(
+            "message.timeout.ms",
+            timeout.as_millis().clamp(1, i32::MAX as u128).to_string(),
+        );
         let producer = config.create().map_err(|source| RunnerError::Kafka {
             context: "creating the dead-letter producer",
             source,
@@ -263,6 +277,17 @@ mod tests {
     use rdkafka::message::OwnedMessage;
 
     use super::*;
+
+    #[test]
+    fn result_not_stored_is_its_own_reason() {
+        let outcome: Result<Outcome<()>, _> = Ok(Outcome::ResultNotStored {
+            error: "too big".into(),
+        });
+        let info = classify(&outcome, "result_not_stored: too big".into(), 1);
+        assert_eq!(info.reason, DeadLetterReason::ResultNotStored);
+        assert_eq!(info.reason.as_str(), "result_not_stored");
+        assert_eq!(info.error, "too big");
+    }
 
     #[test]
     fn classification() {

@@ -31,6 +31,18 @@ pub enum RunnerError {
     #[error("fatal consumer error: {0}")]
     Fatal(#[source] KafkaError),
 
+    /// A partition's worker task ended unexpectedly (it panicked): the runner drained the other
+    /// partitions, committed what was resolved and stopped, rather than leave the partition
+    /// stuck. Its unresolved records are redelivered when the process (or another group member)
+    /// consumes the partition again.
+    #[error("the worker of partition {topic}/{partition} died (panicked)")]
+    WorkerDied {
+        /// The partition's topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+    },
+
     /// The poll thread could not be started or died unexpectedly.
     #[error("the runner's poll thread failed: {0}")]
     PollThread(String),

@@ -52,9 +52,9 @@
 //! | outcome | broker side | resolved |
 //! |---|---|---|
 //! | `Executed`, `Replayed` (and a successful un-deduplicated run) | nothing | yes |
-//! | `Conflict`, `Exhausted`, `Failed`, and records without a usable key or with an undecodable stored result | written to the dead-letter topic and acknowledged by the broker | yes, once the write is acknowledged |
+//! | `Conflict`, `Exhausted`, `Failed`, `ResultNotStored` (reason `result_not_stored`), and records without a usable key or with an undecodable stored result | written to the dead-letter topic and acknowledged by the broker | yes, once the write is acknowledged |
 //! | `InProgress` (another consumer holds the key), `Retry` (retryable failure, attempts left), `LeaseLost`, store unavailable | the partition is **paused**; the same record is tried again after the outcome's hint, clamped to [`min_retry_delay`, `max_retry_delay`](RunnerOptions::min_retry_delay) | no |
-//! | a failed dead-letter write | paused, written again after about a second | no |
+//! | a failed dead-letter write | paused, the dead-letter write alone tried again after about a second (the handler never runs again for it) | no |
 //!
 //! A store error while recording a result (after the handler ran) leaves the key in progress
 //! under this consumer's lease: the retries meet `InProgress` until the lease expires, then take
@@ -91,24 +91,38 @@
 //! # Rebalances
 //!
 //! The runner creates the consumer with its own [`ConsumerContext`](rdkafka::consumer::ConsumerContext).
-//! When partitions are **revoked** it, before the rebalance goes on: cancels the handlers running
-//! for those partitions (their futures are dropped) and **releases their leases** without counting
-//! an attempt, so the next owner acquires the key at once instead of waiting for the lease to
-//! expire; waits for the workers to stop (up to [`revoke_timeout`](RunnerOptions::revoke_timeout));
-//! and commits what they resolved. A record whose executor call was past the handler (recording
-//! its result) is let finish and committed. A release that fails (store down) leaves the key to
-//! expire; the takeover then counts an attempt. Records buffered for a revoked partition are
-//! dropped uncommitted. This is why the runner takes the consumer *configuration* rather than a
-//! ready `StreamConsumer`: the revocation hook must be its own, and it polls the client on a
-//! dedicated thread so that the hook can wait for the leases to be released without blocking an
-//! async runtime thread.
+//! When partitions are **revoked** it, before the rebalance goes on, stops their workers:
+//!
+//! - a record whose handler **had not been called yet** (its key just acquired) has its lease
+//!   **released** without counting an attempt, so the next owner acquires the key at once;
+//! - a handler **already running** is let finish: a result it returns is recorded and committed
+//!   as usual (a finished handler always wins over the revocation). After half the
+//!   [`revoke_timeout`](RunnerOptions::revoke_timeout) it is signalled through
+//!   [`HandlerContext::cancellation_token`](idem_core::executor::HandlerContext::cancellation_token)
+//!   (see [`Handler`]); a handler that returns at once then (a retryable error, say) has that
+//!   failure recorded and the next owner runs attempt n+1 without waiting. A run that does not
+//!   end is dropped, and its lease is **not released**: it expires, and the next owner takes the
+//!   key over (`is_takeover()`, attempt n+1), so a handler that reconciles on a takeover or a
+//!   later attempt never applies its effect twice;
+//! - it waits for the workers to stop (up to the revoke timeout) and commits what they resolved.
+//!
+//! A release that fails (store down) leaves the key to expire; the takeover then counts an
+//! attempt. Records buffered for a revoked partition are dropped uncommitted. This is why the
+//! runner takes the consumer *configuration* rather than a ready `StreamConsumer`: the revocation
+//! hook must be its own, and it polls the client on a dedicated thread so that the hook can wait
+//! for the workers without blocking an async runtime thread.
+//!
+//! A partition's worker that dies (a panic outside the handler, e.g. in a key source closure or a
+//! codec) would leave its partition stuck: the runner then drains, commits what was resolved and
+//! returns [`RunnerError::WorkerDied`]; restart it (the unresolved records are redelivered).
 //!
 //! # Shutdown
 //!
 //! When the future given to [`KafkaRunner::run`] completes, the runner stops starting records,
 //! lets the ones in process finish (records waiting to be retried are abandoned), up to
-//! [`drain_timeout`](RunnerOptions::drain_timeout) (then they are cancelled and released as on a
-//! revocation), commits what finished, and leaves the group. Everything not resolved by then is
+//! [`drain_timeout`](RunnerOptions::drain_timeout) (then they are revoked as on a rebalance:
+//! signalled, and dropped with their leases left to expire if they do not end), commits what
+//! finished, and leaves the group. Everything not resolved by then is
 //! redelivered to the group.
 //!
 //! # Dead-letter records

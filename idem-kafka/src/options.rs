@@ -44,16 +44,23 @@ pub struct RunnerOptions {
     pub max_retry_delay: Duration,
     /// Where dead-lettered records go (default: the source topic + `.dlq`).
     pub dead_letter_topic: DeadLetterTopic,
-    /// How long one dead-letter write may take before it is tried again (default 30 s).
+    /// How long one dead-letter write may take before it is tried again (default 30 s). Also the
+    /// dead-letter producer's `message.timeout.ms`, so a write that timed out is never delivered
+    /// later.
     pub dead_letter_timeout: Duration,
     /// Longest wait of a revocation for the revoked partitions' in-flight records to release their
-    /// leases or finish (default 10 s). The group's rebalance waits that long at most.
+    /// leases or finish (default 10 s). The group's rebalance waits that long at most. A handler
+    /// still running is signalled through its context's cancellation token after half of it, and
+    /// dropped (its lease left to expire, never released) near its end.
     pub revoke_timeout: Duration,
-    /// Longest wait for one lease release on revocation (default 5 s); a release that fails
-    /// leaves the key to expire (and counts an attempt at the takeover).
+    /// Longest wait for one lease release on revocation (default 5 s; must be below
+    /// [`revoke_timeout`](Self::revoke_timeout)); a release that fails leaves the key to expire
+    /// (and counts an attempt at the takeover). Only leases whose handler had not started yet are
+    /// released.
     pub release_timeout: Duration,
     /// Longest wait at shutdown for in-flight records to finish (default 30 s); the ones still
-    /// running then are cancelled and their leases released, as on revocation.
+    /// running then are revoked as on a rebalance (signalled, then dropped with their leases left
+    /// to expire).
     pub drain_timeout: Duration,
     /// Longest time the poll thread blocks in one poll (default 50 ms): the latency of applying a
     /// pause, a resume or a shutdown.
@@ -175,6 +182,15 @@ impl RunnerOptions {
                 return Err(RunnerError::config(field, "must be above zero"));
             }
         }
+        if self.release_timeout >= self.revoke_timeout {
+            return Err(RunnerError::config(
+                "release_timeout",
+                format!(
+                    "{:?} must be below revoke_timeout {:?}: a release runs within the revocation",
+                    self.release_timeout, self.revoke_timeout
+                ),
+            ));
+        }
         self.dead_letter_topic.validate()
     }
 }
@@ -223,6 +239,19 @@ mod tests {
                 })
             ),
             "{r:?}"
+        );
+        let r = RunnerOptions::default()
+            .with_revoke_timeout(Duration::from_secs(5))
+            .validate();
+        assert!(
+            matches!(
+                r,
+                Err(RunnerError::Config {
+                    field: "release_timeout",
+                    ..
+                })
+            ),
+            "release_timeout must be below revoke_timeout: {r:?}"
         );
         let r = RunnerOptions::default()
             .with_dead_letter_topic(crate::DeadLetterTopic::Suffix(String::new()))

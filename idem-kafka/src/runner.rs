@@ -119,10 +119,10 @@ where
     }
 
     /// Subscribes and processes records until `shutdown` completes (or the consumer reports a
-    /// fatal error), then drains: the records in process finish (up to
-    /// [`drain_timeout`](RunnerOptions::drain_timeout), after which they are cancelled and their
-    /// leases released), the resolved offsets are committed synchronously, and the consumer
-    /// leaves the group.
+    /// fatal error, or a partition's worker dies), then drains: the records in process finish (up
+    /// to [`drain_timeout`](RunnerOptions::drain_timeout), after which they are revoked as on a
+    /// rebalance), the resolved offsets are committed synchronously, and the consumer leaves the
+    /// group.
     ///
     /// Must be called within a Tokio runtime (either flavour): the partition workers are spawned
     /// on it. The Kafka client itself is polled on a dedicated thread. Dropping the returned
@@ -130,7 +130,9 @@ where
     ///
     /// # Errors
     /// [`RunnerError::Kafka`] when the consumer cannot be created or subscribed,
-    /// [`RunnerError::Fatal`] after a fatal consumer error (the runner drained first).
+    /// [`RunnerError::Fatal`] after a fatal consumer error, [`RunnerError::WorkerDied`] when a
+    /// partition's worker task panicked (the runner drained first, in both cases): restart the
+    /// process (or call `run` again) to go on.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RunnerError> {
         let handle = Handle::current();
         let spawner = Spawner {
@@ -357,11 +359,22 @@ fn poll_loop(
             Some(Ok(msg)) => shared.dispatch(consumer, KafkaMessage::new(msg.detach())),
             Some(Err(KafkaError::MessageConsumptionFatal(code))) => {
                 tracing::error!(error = %code, "fatal consumer error: draining");
-                fatal = Some(KafkaError::MessageConsumptionFatal(code));
+                fatal = Some(RunnerError::Fatal(KafkaError::MessageConsumptionFatal(
+                    code,
+                )));
                 break;
             }
             Some(Err(KafkaError::PartitionEOF(_))) | None => {}
             Some(Err(e)) => tracing::warn!(error = %e, "consumer error"),
+        }
+        if let Some((topic, partition)) = shared.dead_worker() {
+            tracing::error!(
+                topic,
+                partition,
+                "a partition's worker died (panicked): draining and stopping the runner rather than leave the partition stuck"
+            );
+            fatal = Some(RunnerError::WorkerDied { topic, partition });
+            break;
         }
         shared.apply_pauses(consumer);
         if last_commit.elapsed() >= options.commit_interval {
@@ -380,7 +393,7 @@ fn poll_loop(
         match cancelled_at {
             None if now >= deadline => {
                 tracing::warn!(
-                    "drain timeout: cancelling the records still in process and releasing their leases"
+                    "drain timeout: revoking the records still in process (handlers not started release their leases; running ones are signalled, then dropped with their leases left to expire)"
                 );
                 shared.revoke_all();
                 cancelled_at = Some(now);
@@ -402,7 +415,7 @@ fn poll_loop(
     shared.stop(consumer, slots, true);
     consumer.unsubscribe();
     match fatal {
-        Some(e) => Err(RunnerError::Fatal(e)),
+        Some(e) => Err(e),
         None => Ok(()),
     }
 }

@@ -12,7 +12,8 @@ pub mod metric_names {
     pub const DEAD_LETTERED: &str = "idem_kafka_dead_lettered";
     /// Retry waits (the partition paused before the same record is tried again).
     pub const RETRIES: &str = "idem_kafka_retries";
-    /// Leases released because a partition was revoked (or the drain timed out).
+    /// Leases released because a partition was revoked (or the drain timed out) before the
+    /// record's handler was called (a handler that started never has its lease released).
     pub const RELEASED: &str = "idem_kafka_leases_released";
     /// Offset commits sent.
     pub const COMMITS: &str = "idem_kafka_commits";
@@ -90,7 +91,8 @@ impl RunnerStats {
         self.retries.load(Ordering::Relaxed)
     }
 
-    /// Leases given back because the partition was revoked or the runner shut down mid-handler.
+    /// Leases given back because the partition was revoked (or the drain timed out) before the
+    /// record's handler was called.
     pub fn released(&self) -> u64 {
         self.released.load(Ordering::Relaxed)
     }

@@ -48,8 +48,8 @@ pub(crate) struct Worker<H, T, C> {
     pub(crate) common: Common<H, C>,
     pub(crate) flow: Arc<Mutex<Flow>>,
     pub(crate) records: mpsc::UnboundedReceiver<KafkaMessage>,
-    /// Cancelled when the partition is revoked (or the drain timed out): release the lease of the
-    /// record in process, resolve nothing more.
+    /// Cancelled when the partition is revoked (or the drain timed out): the record in process
+    /// gets the revoke timeout to finish (see [`Worker::run_once`]), nothing more starts.
     pub(crate) revoke: CancellationToken,
     /// Dropped when the worker ends; the poll thread waits on it.
     pub(crate) _exited: std::sync::mpsc::Sender<()>,
@@ -73,8 +73,9 @@ enum Next {
 /// How one executor call ended, as the worker sees it.
 enum Step<T> {
     Done(Result<Outcome<T>, ExecutorError>),
-    /// The partition was revoked while the handler ran: the lease was released (or its release
-    /// tried) and the call dropped.
+    /// The partition was revoked and the call dropped: before the handler started (the lease
+    /// was released, or its release tried), or past the revoke timeout (the lease is left to
+    /// expire).
     Revoked,
 }
 
@@ -155,11 +156,10 @@ where
                     let info =
                         dead_letter::classify(&result, reason, attempt.load(Ordering::Relaxed));
                     drop(result);
-                    match self.dead_letter(msg, info).await {
-                        Ok(()) => return Next::Continue,
-                        Err(()) if self.revoke.is_cancelled() => return Next::Abandoned,
-                        Err(()) => common.options.retry_delay(DEAD_LETTER_RETRY_HINT),
-                    }
+                    // The outcome is final: only the dead-letter write is tried again, never the
+                    // executor call (which, for an un-deduplicated record, would run the handler
+                    // again).
+                    return self.dead_letter_until_written(msg, &info).await;
                 }
                 BrokerAction::Retry { after } => {
                     tracing::debug!(
@@ -171,26 +171,57 @@ where
                 }
                 _ => common.options.min_retry_delay,
             };
-            if common.drain.is_cancelled() {
-                return Next::Abandoned;
-            }
-            RunnerStats::count(&common.stats.retries, m::RETRIES);
-            lock(&self.flow).set_retry_wait(true);
-            let slept = tokio::select! {
-                biased;
-                () = self.revoke.cancelled() => false,
-                () = common.drain.cancelled() => false,
-                () = tokio::time::sleep(delay) => true,
-            };
-            lock(&self.flow).set_retry_wait(false);
-            if !slept {
+            if !self.pause_before_retry(delay).await {
                 return Next::Abandoned;
             }
         }
     }
 
-    /// One executor call. The handler is wrapped so that a revocation while it runs releases the
-    /// lease (no attempt counted) and abandons the call.
+    /// Writes the record to the dead-letter topic until the write succeeds, pausing the partition
+    /// between tries; stops (abandoning the record) on revocation or shutdown.
+    async fn dead_letter_until_written(&self, msg: &KafkaMessage, info: &DeadLetterInfo) -> Next {
+        loop {
+            match self.dead_letter(msg, info).await {
+                Ok(()) => return Next::Continue,
+                Err(()) if self.revoke.is_cancelled() => return Next::Abandoned,
+                Err(()) => {}
+            }
+            let delay = self.common.options.retry_delay(DEAD_LETTER_RETRY_HINT);
+            if !self.pause_before_retry(delay).await {
+                return Next::Abandoned;
+            }
+        }
+    }
+
+    /// Keeps the partition paused for `delay`. `false` when the worker must stop instead
+    /// (revoked or shutting down).
+    async fn pause_before_retry(&self, delay: std::time::Duration) -> bool {
+        let common = &self.common;
+        if common.drain.is_cancelled() || self.revoke.is_cancelled() {
+            return false;
+        }
+        RunnerStats::count(&common.stats.retries, m::RETRIES);
+        lock(&self.flow).set_retry_wait(true);
+        let slept = tokio::select! {
+            biased;
+            () = self.revoke.cancelled() => false,
+            () = common.drain.cancelled() => false,
+            () = tokio::time::sleep(delay) => true,
+        };
+        lock(&self.flow).set_retry_wait(false);
+        slept
+    }
+
+    /// One executor call, with the handler wrapped for revocations:
+    ///
+    /// - revoked before the handler was called: the lease is released (no attempt counted) and
+    ///   the call abandoned, so the next owner acquires the key at once;
+    /// - revoked while the handler runs: it is let finish for half the revoke timeout, then
+    ///   signalled through [`HandlerContext::cancellation_token`](idem_core::executor::HandlerContext::cancellation_token)
+    ///   (the executor then takes its result if it returns at once, else drops it and records
+    ///   nothing). A result is recorded and resolved as usual. The lease is **never** released
+    ///   once the handler started: if the call still has to be dropped, the lease expires and the
+    ///   next owner sees a takeover and the next attempt number.
     async fn run_once(&self, msg: &KafkaMessage, attempt: Arc<AtomicU32>) -> Step<T> {
         let common = &self.common;
         let released = CancellationToken::new();
@@ -198,26 +229,38 @@ where
         let store = common.executor.store().clone();
         let revoke = self.revoke.clone();
         let release_timeout = common.options.release_timeout;
+        let revoke_timeout = common.options.revoke_timeout;
         let stats = Arc::clone(&common.stats);
         let record = msg.clone();
         let signal = released.clone();
         let call = common.executor.run(msg, move |ctx| async move {
             attempt.store(ctx.attempt(), Ordering::Relaxed);
-            let lease = ctx.lease().cloned();
             if !revoke.is_cancelled() {
+                let cancel = ctx.cancellation_token().clone();
+                let mut run = std::pin::pin!(handler.call(record, ctx));
                 tokio::select! {
                     biased;
+                    result = &mut run => return result,
                     () = revoke.cancelled() => {}
-                    result = handler.call(record, ctx) => return result,
                 }
+                // Revoked while it runs: let it finish, then ask it to stop. Never release.
+                if let Ok(result) = tokio::time::timeout(revoke_timeout / 2, &mut run).await {
+                    return result;
+                }
+                tracing::warn!(
+                    "partition revoked: the handler is still running; signalling its cancellation token"
+                );
+                cancel.cancel();
+                return run.await;
             }
-            // Revoked while holding the lease: give the key back without counting an attempt,
-            // then never return, so the executor records nothing (the caller drops this call).
-            if let Some(lease) = lease {
+            // Revoked before the handler was called: give the key back without counting an
+            // attempt, then never return, so the executor records nothing (the caller drops this
+            // call).
+            if let Some(lease) = ctx.lease().cloned() {
                 match tokio::time::timeout(release_timeout, store.release(&lease)).await {
                     Ok(Ok(())) => {
                         RunnerStats::count(&stats.released, m::RELEASED);
-                        tracing::info!(key = %lease.key, token = %lease.token, "partition revoked: lease released");
+                        tracing::info!(key = %lease.key, token = %lease.token, "partition revoked before the handler started: lease released");
                     }
                     Ok(Err(e)) => {
                         tracing::warn!(key = %lease.key, error = %e, "partition revoked: lease release failed; the key stays held until its lease expires");
@@ -230,15 +273,28 @@ where
             signal.cancel();
             std::future::pending().await
         });
+        // Once revoked, the call gets most of the revoke timeout (the revocation waits for the
+        // worker that long), then it is dropped and its lease left to expire.
+        let revoke = self.revoke.clone();
+        let deadline = async move {
+            revoke.cancelled().await;
+            tokio::time::sleep(revoke_timeout.mul_f64(0.9)).await;
+        };
         tokio::select! {
             biased;
             result = call => Step::Done(result),
             () = released.cancelled() => Step::Revoked,
+            () = deadline => {
+                tracing::warn!(
+                    "partition revoked: the record's executor call did not end in time and is dropped; its lease (not released) expires and the next owner takes it over"
+                );
+                Step::Revoked
+            }
         }
     }
 
     /// Writes the record to the dead-letter topic; on success it is resolved.
-    async fn dead_letter(&self, msg: &KafkaMessage, info: DeadLetterInfo) -> Result<(), ()> {
+    async fn dead_letter(&self, msg: &KafkaMessage, info: &DeadLetterInfo) -> Result<(), ()> {
         let common = &self.common;
         let key_id = common
             .executor
@@ -251,7 +307,7 @@ where
             Some(n) => Some(n),
             None => self.stored_attempts(key_id.as_deref()).await,
         };
-        let headers = dead_letter::headers(msg, &info, attempts, key_id.as_deref());
+        let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
         let sent = tokio::select! {
             biased;
             () = self.revoke.cancelled() => return Err(()),

@@ -345,8 +345,19 @@ async fn handler_slower_than_the_lease_keeps_it_and_the_duplicate_waits_paused()
     assert_eq!(committed(&group, &topic, 2), ends);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn revoked_partition_releases_its_lease_and_the_next_owner_runs_at_once() {
+/// What consumer A's handler does with the "held" record when its partition is revoked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OnRevoke {
+    /// Watches its context's cancellation token and returns (a retryable error) when signalled.
+    HonoursCancellation,
+    /// Ignores the signal: the runner has to drop it.
+    Ignores,
+}
+
+/// Consumer A blocks on "held" until it is revoked by consumer B joining. The lease is never
+/// released once A's handler started: either A's result is recorded (it honours the cancellation
+/// signal: B runs attempt 2 at once) or the lease expires (B takes it over as attempt 2).
+async fn revoked_running_handler(on_revoke: OnRevoke, lease_ttl: Duration) {
     init_tracing();
     let topic = unique("revoke");
     let group = unique("g");
@@ -358,22 +369,39 @@ async fn revoked_partition_releases_its_lease_and_the_next_owner_runs_at_once() 
     ];
     let ends = ends(&produce(&topic, &recs).await);
     let store = shared(redis_store(&unique("idem-kafka-test")).await);
-    // A 60 s lease: waiting for it to expire would blow the test's time limits.
     let config = ExecutorConfig::new("revoke")
-        .with_lease_ttl(Duration::from_secs(60))
-        .with_heartbeat_interval(Duration::from_secs(5));
+        .with_lease_ttl(lease_ttl)
+        .with_heartbeat_interval(lease_ttl / 4);
+    let options = fast_options()
+        .with_revoke_timeout(Duration::from_secs(2))
+        .with_release_timeout(Duration::from_millis(500));
 
-    // Consumer A blocks on "held" until it is cancelled (its first run only).
     let a_runs = Arc::new(AtomicU32::new(0));
+    // (attempt, takeover) of the runs of "held" after the revoked one, by either consumer.
+    let later_runs = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (entered_tx, entered_rx) = tokio::sync::watch::channel(false);
     let a = Arc::clone(&a_runs);
-    let handler_a = move |msg: KafkaMessage, _ctx: HandlerContext| {
+    let seen_a = Arc::clone(&later_runs);
+    let handler_a = move |msg: KafkaMessage, ctx: HandlerContext| {
         let a = Arc::clone(&a);
+        let seen = Arc::clone(&seen_a);
         let entered = entered_tx.clone();
         async move {
-            if msg.key() == Some(b"held") && a.fetch_add(1, Ordering::SeqCst) == 0 {
+            let first = msg.key() == Some(b"held") && a.fetch_add(1, Ordering::SeqCst) == 0;
+            if msg.key() == Some(b"held") && !first {
+                seen.lock()
+                    .unwrap()
+                    .push((ctx.attempt(), ctx.is_takeover()));
+            }
+            if first {
                 let _ = entered.send(true);
-                std::future::pending::<()>().await;
+                match on_revoke {
+                    OnRevoke::HonoursCancellation => {
+                        ctx.cancellation_token().cancelled().await;
+                        return Err(HandlerError::retryable("cancelled: partition revoked"));
+                    }
+                    OnRevoke::Ignores => std::future::pending::<()>().await,
+                }
             }
             Ok::<_, HandlerError>("a".to_owned())
         }
@@ -384,7 +412,7 @@ async fn revoked_partition_releases_its_lease_and_the_next_owner_runs_at_once() 
         handler_a,
     )
     .topic(&topic)
-    .options(fast_options())
+    .options(options.clone())
     .build()
     .unwrap();
     let stats_a = runner_a.stats();
@@ -396,12 +424,16 @@ async fn revoked_partition_releases_its_lease_and_the_next_owner_runs_at_once() 
         .unwrap();
 
     let b_runs = Arc::new(AtomicU32::new(0));
-    let b = Arc::clone(&b_runs);
-    let handler_b = move |msg: KafkaMessage, _ctx: HandlerContext| {
+    let (b, seen) = (Arc::clone(&b_runs), Arc::clone(&later_runs));
+    let handler_b = move |msg: KafkaMessage, ctx: HandlerContext| {
         let b = Arc::clone(&b);
+        let seen = Arc::clone(&seen);
         async move {
             if msg.key() == Some(b"held") {
                 b.fetch_add(1, Ordering::SeqCst);
+                seen.lock()
+                    .unwrap()
+                    .push((ctx.attempt(), ctx.is_takeover()));
             }
             Ok::<_, HandlerError>("b".to_owned())
         }
@@ -412,7 +444,7 @@ async fn revoked_partition_releases_its_lease_and_the_next_owner_runs_at_once() 
         handler_b,
     )
     .topic(&topic)
-    .options(fast_options())
+    .options(options)
     .build()
     .unwrap();
     let stats_b = runner_b.stats();
@@ -425,7 +457,7 @@ async fn revoked_partition_releases_its_lease_and_the_next_owner_runs_at_once() 
         .unwrap();
     let s = store.clone();
     let k = key.clone();
-    let completed = wait_for(Duration::from_secs(30), || {
+    let completed = wait_for(Duration::from_secs(40), || {
         let (s, k) = (s.clone(), k.clone());
         async move {
             matches!(s.get(&k).await, Ok(Some(r)) if matches!(r.state, RecordState::Completed { .. }))
@@ -435,29 +467,31 @@ async fn revoked_partition_releases_its_lease_and_the_next_owner_runs_at_once() 
     let took = joined.elapsed();
     assert!(
         completed,
-        "the held key completed after the rebalance: A {stats_a:?} B {stats_b:?}"
-    );
-    assert!(
-        took < Duration::from_secs(30),
-        "well before the 60 s lease expired: {took:?}"
+        "{on_revoke:?}: the held key completed after the rebalance: A {stats_a:?} B {stats_b:?}"
     );
     assert_eq!(
         stats_a.released(),
-        1,
-        "A released its lease on revocation: {stats_a:?}"
+        0,
+        "{on_revoke:?}: a handler that started never has its lease released: {stats_a:?}"
     );
     let record = store.get(&key).await.unwrap().unwrap();
     assert_eq!(
-        record.attempts, 1,
-        "the release counted no attempt: {record:?}"
+        record.attempts, 2,
+        "{on_revoke:?}: the revoked run counted as attempt 1: {record:?}"
     );
     let second_runs = a_runs.load(Ordering::SeqCst) - 1 + b_runs.load(Ordering::SeqCst);
     assert_eq!(
         second_runs, 1,
-        "exactly one owner ran it after the revocation"
+        "{on_revoke:?}: exactly one owner ran it after the revocation"
+    );
+    let takeover = on_revoke == OnRevoke::Ignores;
+    assert_eq!(
+        later_runs.lock().unwrap().clone(),
+        vec![(2, takeover)],
+        "{on_revoke:?}: the next owner sees attempt 2 (a takeover when A's run was dropped)"
     );
     eprintln!(
-        "held key completed {took:?} after B joined, by {} (A runs {}, B runs {})",
+        "{on_revoke:?}: held key completed {took:?} after B joined, by {} (A runs {}, B runs {})",
         record.owner,
         a_runs.load(Ordering::SeqCst),
         b_runs.load(Ordering::SeqCst)
@@ -481,6 +515,65 @@ async fn revoked_partition_releases_its_lease_and_the_next_owner_runs_at_once() 
     );
     stop(running_b).await;
     stop(running_a).await;
+    if on_revoke == OnRevoke::HonoursCancellation {
+        assert!(
+            took < lease_ttl / 2,
+            "no wait for the lease to expire: {took:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoked_handler_that_honours_cancellation_is_recorded_and_the_next_owner_runs_at_once() {
+    // A 60 s lease: waiting for it to expire would blow the test's time limits, so completing
+    // shows that no expiry was waited for.
+    revoked_running_handler(OnRevoke::HonoursCancellation, Duration::from_secs(60)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoked_handler_that_ignores_cancellation_is_dropped_and_its_lease_expires() {
+    revoked_running_handler(OnRevoke::Ignores, Duration::from_secs(4)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_stops_the_runner_instead_of_stalling_its_partition() {
+    init_tracing();
+    let topic = unique("dead");
+    create_topic(&topic, 1).await;
+    let recs = vec![Rec::keyed(0, "fine", "{}"), Rec::keyed(0, "boom", "{}")];
+    produce(&topic, &recs).await;
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    // A key source that panics outside the handler (the executor catches handler panics only):
+    // the partition's worker task dies.
+    let source = KeySource::from_fn(|m| {
+        let key = std::str::from_utf8(m.message_key()?).ok()?.to_owned();
+        assert_ne!(key, "boom", "key source panics on purpose");
+        Some(key)
+    });
+    let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
+    let runner = KafkaRunner::builder(
+        consumer_config(&unique("g")),
+        executor(store, ExecutorConfig::new("dead").with_key_source(source)),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let (_tx, task) = start(runner);
+    let result = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the runner stops by itself")
+        .unwrap();
+    assert!(
+        matches!(
+            &result,
+            Err(idem_kafka::RunnerError::WorkerDied { partition: 0, .. })
+        ),
+        "{result:?}"
+    );
+    assert_eq!(stats.executed(), 1, "{stats:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
