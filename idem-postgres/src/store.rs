@@ -348,6 +348,45 @@ fn settle<T>(
 }
 
 /// Microseconds of a duration already validated against the contract's maxima (so it fits).
+/// The values the acquire statement binds besides the request's own fields, kept together so
+/// that the plain and the transactional acquire bind the same parameters in the same order.
+pub(crate) struct AcquireArgs<'r> {
+    namespace: &'r str,
+    id: &'r str,
+    fingerprint: Option<&'r [u8]>,
+    lease_us: i64,
+    max_attempts: i64,
+}
+
+impl<'r> AcquireArgs<'r> {
+    pub(crate) fn new(req: &'r AcquireRequest) -> Self {
+        Self {
+            namespace: req.key.namespace().as_str(),
+            id: req.key.id(),
+            fingerprint: req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]),
+            lease_us: micros(req.lease_ttl),
+            max_attempts: i64::from(req.max_attempts),
+        }
+    }
+
+    /// `$1..$7` of the acquire statement.
+    pub(crate) fn params<'a>(
+        &'a self,
+        req: &'a AcquireRequest,
+        lock_timeout_ms: &'a String,
+    ) -> [&'a (dyn ToSql + Sync); 7] {
+        [
+            &self.namespace,
+            &self.id,
+            &self.fingerprint,
+            &req.owner,
+            &self.lease_us,
+            &self.max_attempts,
+            lock_timeout_ms,
+        ]
+    }
+}
+
 pub(crate) fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
@@ -510,18 +549,8 @@ impl IdempotencyStore for PostgresStore {
 
     async fn acquire(&self, req: &AcquireRequest) -> Result<AcquireOutcome> {
         req.validate()?;
-        let fingerprint: Option<&[u8]> = req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]);
-        let lease_us = micros(req.lease_ttl);
-        let max_attempts = i64::from(req.max_attempts);
-        let params: [&(dyn ToSql + Sync); 7] = [
-            &req.key.namespace().as_str(),
-            &req.key.id(),
-            &fingerprint,
-            &req.owner,
-            &lease_us,
-            &max_attempts,
-            &self.inner.lock_timeout_ms,
-        ];
+        let args = AcquireArgs::new(req);
+        let params = args.params(req, &self.inner.lock_timeout_ms);
         for _ in 0..MAX_ROUNDS {
             let rows = match self.query(&self.inner.sql.acquire, &params).await {
                 Ok(rows) => rows,

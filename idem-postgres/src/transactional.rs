@@ -95,7 +95,8 @@ use tokio_postgres::{Client, Row, Transaction};
 use crate::error::{ClientTimeout, Contention, STORE, map_pg};
 use crate::sql::Stmt;
 use crate::store::{
-    MAX_ROUNDS, PostgresStore, acquire_outcome, is_lock_timeout, micros, storable_error,
+    AcquireArgs, MAX_ROUNDS, PostgresStore, acquire_outcome, is_lock_timeout, micros,
+    storable_error,
 };
 
 /// The future a transactional handler returns: the result to store, or why it failed.
@@ -421,18 +422,8 @@ impl PostgresStore {
             ),
             None => None,
         };
-        let fingerprint: Option<&[u8]> = req.fingerprint.as_ref().map(|f| &f.as_bytes()[..]);
-        let lease_us = micros(req.lease_ttl);
-        let max_attempts = i64::from(req.max_attempts);
-        let params: [&(dyn ToSql + Sync); 7] = [
-            &req.key.namespace().as_str(),
-            &req.key.id(),
-            &fingerprint,
-            &req.owner,
-            &lease_us,
-            &max_attempts,
-            &self.inner.lock_timeout_ms,
-        ];
+        let args = AcquireArgs::new(req);
+        let params = args.params(req, &self.inner.lock_timeout_ms);
         for _ in 0..MAX_ROUNDS {
             let save = tx.batch_execute(SAVE_LOCK_TIMEOUT);
             let acquire = async {
