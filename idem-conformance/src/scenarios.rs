@@ -894,6 +894,34 @@ pub async fn c18_get_shows_record(h: &Harness) {
         (r3.attempts, r3.token, r3.owner.as_str()),
         (1, lease.token, A)
     );
+
+    // A later attempt keeps the creation time of the first and reports its own owner, token and
+    // update time.
+    let key = h.key(&ns, "inspect-retry");
+    let (first, _) = acquired(h, &request(h, &key, A)).await;
+    fail(h, &first, "transient", true).await;
+    let f1 = must_get(h, &key).await;
+    h.config().time.pass_exact(Duration::from_millis(20)).await;
+    let (second, _) = acquired(h, &request(h, &key, B)).await;
+    let r4 = must_get(h, &key).await;
+    assert_eq!(r4.state, RecordState::InProgress);
+    assert_eq!(
+        (r4.attempts, r4.token, r4.owner.as_str()),
+        (2, second.token, B),
+        "C18: {r4:?}"
+    );
+    assert_eq!(
+        r4.created_at, f1.created_at,
+        "C18: created_at is the first acquisition's: {r4:?} after {f1:?}"
+    );
+    assert!(
+        r4.updated_at > f1.updated_at,
+        "C18: a new attempt moves updated_at: {r4:?}"
+    );
+    assert_eq!(
+        r4.expires_at, None,
+        "C18: a record in progress has no retention deadline"
+    );
 }
 
 /// C19: many workers, duplicated deliveries, random crashes and stalls past the lease, checked

@@ -15,8 +15,9 @@
 //!    messages per second are `1 / (1/acquire_rps + 1/complete_rps)`;
 //!
 //! prints both and their ratio (plus the same loop straight through the driver, and a pipelined
-//! raw run at 64 connections), then `MEMORY USAGE` of one completed record with an empty result,
-//! with and without a fingerprint. Prints figures only; asserts nothing about speed.
+//! raw run at 64 connections), then `MEMORY USAGE` of completed records with an empty result:
+//! with and without a fingerprint, with the bench owner, the executor's default owner and a
+//! Kubernetes-style pod name, and with a UUID id. Prints figures only; asserts nothing.
 //!
 //! Environment: `IDEM_BENCH_SECONDS` (default 3) per store measurement.
 
@@ -28,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use idem_core::{AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace};
 use idem_redis::{RedisStore, lua_scripts};
+use integer_encoding::VarInt;
 use redis::aio::MultiplexedConnection;
 
 const RETENTION: Duration = Duration::from_secs(3600);
@@ -185,17 +187,31 @@ fn redis_benchmark(
         .unwrap_or_else(|| panic!("cannot read the rate from {line:?}"))
 }
 
+/// The value `acquire` writes for a record in progress with token 1 (so `base` is 0), attempt
+/// 1, a 30 s lease, [`RAW_FP`] and [`OWNER`], following the layout in the crate docs.
+fn prepared_record() -> Vec<u8> {
+    let mut v = vec![128 + 8 + 32];
+    v.extend_from_slice(&1u64.to_be_bytes());
+    v.extend_from_slice(&1u64.encode_var_vec()); // attempts
+    v.extend_from_slice(&0i64.encode_var_vec()); // updated_at - base
+    v.extend_from_slice(&i64::try_from(LEASE_MS).unwrap().encode_var_vec()); // lease end - base
+    v.extend_from_slice(RAW_FP.as_bytes());
+    v.extend_from_slice(&OWNER.len().encode_var_vec());
+    v.extend_from_slice(OWNER.as_bytes());
+    v
+}
+
 /// Prepares `count` in-progress records `{prefix}{12-digit i}` with token 1, the way acquire
 /// writes them, for the raw `complete` runs.
 async fn prepare(admin: &mut MultiplexedConnection, prefix: &str, count: u64) {
     let script = redis::Script::new(
         r"
         for i = tonumber(ARGV[2]), tonumber(ARGV[3]) do
-          redis.call('HSET', ARGV[1] .. string.format('%012d', i), 't', '1', 's', '10',
-            'o', ARGV[4], 'f', ARGV[5], 'c', '0', 'u', '0', 'l', '30000')
+          redis.call('SET', ARGV[1] .. string.format('%012d', i), ARGV[4])
         end
         return 1",
     );
+    let record = prepared_record();
     let chunk = 50_000;
     let mut from = 0;
     while from < count {
@@ -204,13 +220,25 @@ async fn prepare(admin: &mut MultiplexedConnection, prefix: &str, count: u64) {
             .arg(prefix)
             .arg(from)
             .arg(to)
-            .arg(OWNER)
-            .arg(RAW_FP)
+            .arg(&record)
             .invoke_async(admin)
             .await
             .unwrap();
         from = to + 1;
     }
+    // The baseline is only fair if the prepared records pass the fence: complete one of them.
+    let [_, _, complete, ..] = lua_scripts();
+    let reply: Vec<i64> = redis::cmd("EVALSHA")
+        .arg(complete.sha1())
+        .arg(1)
+        .arg(format!("{prefix}{:012}", count - 1))
+        .arg(1)
+        .arg("")
+        .arg(3_600_000)
+        .query_async(admin)
+        .await
+        .expect("complete on a prepared record");
+    assert_eq!(reply, [1], "a prepared record must accept the raw complete");
 }
 
 fn main() {
@@ -349,13 +377,40 @@ async fn run(seconds: f64) {
     );
 
     println!();
+    memory(&store, &mut admin).await;
+    drop(server);
+}
+
+/// `MEMORY USAGE` of completed records with an empty result, for a few key, owner and
+/// fingerprint choices; the first row is the one the target speaks of.
+async fn memory(store: &RedisStore, admin: &mut MultiplexedConnection) {
+    // What the executor picks when no owner is configured: idem-<host>-<pid>-<n>.
+    let executor_owner = match std::env::var("HOSTNAME").unwrap_or_default() {
+        host if host.is_empty() => format!("idem-{}-1", std::process::id()),
+        host => format!("idem-{host}-{}-1", std::process::id()),
+    };
+    let pod = "payments-consumer-7d9f8b6c5d-x2x9z-1";
+    let uuid = "0b6f6bd8-4a8e-4f5e-9d51-3c2f4a7b8e19";
     let ns = Namespace::new("bench").unwrap();
-    for (id, fingerprint) in [
-        ("k0000001", Some(Fingerprint::of("payload"))),
-        ("k0000002", None),
-    ] {
+    println!(
+        "MEMORY USAGE of one completed record, empty result (target: at most 150 bytes for the \
+         first row):"
+    );
+    println!(
+        "{:<48}  {:<40}  {:>11}  {:>11}  {:>12}  {:>8}",
+        "storage key", "owner", "fingerprint", "value bytes", "MEMORY USAGE", "encoding"
+    );
+    let rows = [
+        ("k0000001", OWNER, true),
+        ("k0000002", OWNER, false),
+        ("k0000003", executor_owner.as_str(), true),
+        ("k0000004", pod, true),
+        (uuid, OWNER, true),
+    ];
+    for (id, owner, with_fp) in rows {
         let key = ns.key(id).unwrap();
-        let req = AcquireRequest::new(key.clone(), OWNER).with_fingerprint(fingerprint);
+        let fingerprint = with_fp.then(|| Fingerprint::of("payload"));
+        let req = AcquireRequest::new(key.clone(), owner).with_fingerprint(fingerprint);
         let AcquireOutcome::Acquired { lease, .. } = store.acquire(&req).await.unwrap() else {
             panic!("not acquired");
         };
@@ -364,23 +419,28 @@ async fn run(seconds: f64) {
             .await
             .unwrap();
         let storage_key = store.storage_key(&key);
-        let bytes: u64 = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(&storage_key)
-            .query_async(&mut admin)
+        let query = |cmd: &str, sub: Option<&str>| {
+            let mut c = redis::cmd(cmd);
+            if let Some(sub) = sub {
+                c.arg(sub);
+            }
+            c.arg(&storage_key);
+            c
+        };
+        let bytes: u64 = query("MEMORY", Some("USAGE"))
+            .query_async(admin)
             .await
             .unwrap();
-        let encoding: String = redis::cmd("OBJECT")
-            .arg("ENCODING")
-            .arg(&storage_key)
-            .query_async(&mut admin)
+        let len: u64 = query("STRLEN", None).query_async(admin).await.unwrap();
+        let encoding: String = query("OBJECT", Some("ENCODING"))
+            .query_async(admin)
             .await
             .unwrap();
         println!(
-            "MEMORY USAGE {:?} (completed, empty result, {} fingerprint, owner {OWNER:?}): {bytes} bytes, {encoding}",
+            "{:<48}  {:<40}  {:>11}  {len:>11}  {bytes:>12}  {encoding:>8}",
             String::from_utf8_lossy(&storage_key),
-            if fingerprint.is_some() { "with" } else { "no" },
+            format!("{owner} ({} B)", owner.len()),
+            if with_fp { "yes" } else { "no" },
         );
     }
-    drop(server);
 }

@@ -1,4 +1,4 @@
-//! Storage keys, and decoding of script replies and stored hashes.
+//! Storage keys, and decoding of script replies.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -167,108 +167,58 @@ pub(crate) fn lease_end(ms: Option<i64>) -> Result<SystemTime, Bad> {
     time(ms.ok_or_else(|| bad("extend reply without the lease end"))?)
 }
 
-/// Decodes the reply of `get.lua`: nil, or `{now, expires_at or -1, {field, value, ...}}`.
+/// Decodes the reply of `get.lua`: nil, or `{state, token, attempts, created, updated, lease
+/// end or -1, fingerprint or '', owner, result or error, expires_at or -1}` (times in ms since the
+/// Unix epoch). The script unpacks the stored record; this only types the fields.
 pub(crate) fn record(reply: &Value, key: &IdempotencyKey) -> Result<Option<Record>, Bad> {
     let items = match reply {
         Value::Nil => return Ok(None),
         other => array(other)?,
     };
-    let expires_at = match int(at(items, 1)?)? {
-        ms if ms >= 0 => Some(time(ms)?),
-        _ => None,
+    if items.len() != 10 {
+        return Err(bad(format!(
+            "get reply has {} elements, not 10",
+            items.len()
+        )));
+    }
+    let payload = bytes(&items[8])?;
+    let error = || String::from_utf8(payload.clone()).map_err(|_| bad("error is not UTF-8"));
+    let state = match int(&items[0])? {
+        0 => RecordState::InProgress,
+        1 => RecordState::Released,
+        2 => RecordState::Completed {
+            result: Bytes::from(payload.clone()),
+        },
+        3 => RecordState::Failed {
+            error: error()?,
+            retryable: true,
+        },
+        4 => RecordState::Failed {
+            error: error()?,
+            retryable: false,
+        },
+        other => return Err(bad(format!("unknown state {other}"))),
     };
-    let fields = array(at(items, 2)?)?;
-    if fields.is_empty() {
-        return Ok(None);
-    }
-    let mut hash = Hash::default();
-    for pair in fields.chunks(2) {
-        let [name, value] = pair else {
-            return Err(bad("odd number of hash elements"));
-        };
-        let name = bytes(name)?;
-        let slot = match name.as_slice() {
-            b"t" => &mut hash.t,
-            b"s" => &mut hash.s,
-            b"o" => &mut hash.o,
-            b"f" => &mut hash.f,
-            b"c" => &mut hash.c,
-            b"u" => &mut hash.u,
-            b"l" => &mut hash.l,
-            b"r" => &mut hash.r,
-            _ => continue,
-        };
-        *slot = Some(value);
-    }
-    hash.decode(key, expires_at).map(Some)
-}
-
-#[derive(Default)]
-struct Hash<'v> {
-    t: Option<&'v Value>,
-    s: Option<&'v Value>,
-    o: Option<&'v Value>,
-    f: Option<&'v Value>,
-    c: Option<&'v Value>,
-    u: Option<&'v Value>,
-    l: Option<&'v Value>,
-    r: Option<&'v Value>,
-}
-
-fn need<'v>(v: Option<&'v Value>, field: &str) -> Result<&'v Value, Bad> {
-    v.ok_or_else(|| bad(format!("field {field} missing")))
-}
-
-impl Hash<'_> {
-    fn decode(self, key: &IdempotencyKey, expires_at: Option<SystemTime>) -> Result<Record, Bad> {
-        let token: u64 = uint(need(self.t, "t")?, "token")?;
-        let base = i64::try_from(token / 1000).map_err(|_| bad("token out of range"))?;
-        let packed: u64 = uint(need(self.s, "s")?, "state")?;
-        let attempts = u32::try_from(packed / 10).map_err(|_| bad("attempts out of range"))?;
-        let payload = self.r.map(bytes).transpose()?.unwrap_or_default();
-        let error = || String::from_utf8(payload.clone()).map_err(|_| bad("error is not UTF-8"));
-        let state = match packed % 10 {
-            0 => RecordState::InProgress,
-            1 => RecordState::Released,
-            2 => RecordState::Completed {
-                result: Bytes::from(payload.clone()),
-            },
-            3 => RecordState::Failed {
-                error: error()?,
-                retryable: true,
-            },
-            4 => RecordState::Failed {
-                error: error()?,
-                retryable: false,
-            },
-            other => return Err(bad(format!("unknown state {other}"))),
-        };
-        let fingerprint = self
-            .f
-            .map(|v| {
-                bytes(v).and_then(|b| Fingerprint::try_from(&b[..]).map_err(|e| bad(e.to_string())))
-            })
-            .transpose()?;
-        let created_at = time(base - self.c.map(int).transpose()?.unwrap_or(0))?;
-        let updated_at = time(base + int(need(self.u, "u")?)?)?;
-        let lease_expires_at = match (&state, self.l) {
-            (RecordState::InProgress, Some(l)) => Some(time(base + int(l)?)?),
-            (RecordState::InProgress, None) => return Err(bad("in progress without a lease")),
-            _ => None,
-        };
-        Ok(Record {
-            key: key.clone(),
-            state,
-            fingerprint,
-            token: FencingToken::new(token),
-            owner: text(need(self.o, "o")?, "owner")?,
-            attempts,
-            lease_expires_at,
-            created_at,
-            updated_at,
-            expires_at,
-        })
-    }
+    let fingerprint = match bytes(&items[6])? {
+        fp if fp.is_empty() => None,
+        fp => Some(Fingerprint::try_from(&fp[..]).map_err(|e| bad(e.to_string()))?),
+    };
+    let optional_time = |v: &Value| match int(v)? {
+        ms if ms >= 0 => time(ms).map(Some),
+        _ => Ok(None),
+    };
+    Ok(Some(Record {
+        key: key.clone(),
+        state,
+        fingerprint,
+        token: FencingToken::new(uint(&items[1], "token")?),
+        owner: text(&items[7], "owner")?,
+        attempts: uint(&items[2], "attempts")?,
+        lease_expires_at: optional_time(&items[5])?,
+        created_at: time(int(&items[3])?)?,
+        updated_at: time(int(&items[4])?)?,
+        expires_at: optional_time(&items[9])?,
+    }))
 }
 
 #[cfg(test)]
@@ -290,26 +240,20 @@ mod tests {
     }
 
     #[test]
-    fn decodes_a_completed_record_relative_to_the_token() {
+    fn decodes_a_get_reply() {
         let token = 1_700_000_000_123_456u64;
         let fp = Fingerprint::of("payload");
         let reply = Value::Array(vec![
-            Value::Int(1_700_000_000_200),
+            Value::Int(2),
+            Value::Int(i64::try_from(token).unwrap()),
+            Value::Int(2),
+            Value::Int(1_700_000_000_100),
+            Value::Int(1_700_000_000_130),
+            Value::Int(-1),
+            Value::BulkString(fp.as_bytes().to_vec()),
+            s("w1"),
+            s(""),
             Value::Int(1_700_000_100_000),
-            Value::Array(vec![
-                s("t"),
-                s(&token.to_string()),
-                s("s"),
-                s("22"),
-                s("o"),
-                s("w1"),
-                s("f"),
-                Value::BulkString(fp.as_bytes().to_vec()),
-                s("c"),
-                s("23"),
-                s("u"),
-                s("7"),
-            ]),
         ]);
         let r = record(&reply, &key()).unwrap().unwrap();
         let at = |ms: u64| UNIX_EPOCH + Duration::from_millis(ms);
@@ -330,13 +274,28 @@ mod tests {
     }
 
     #[test]
-    fn missing_fields_are_corrupt() {
-        let reply = Value::Array(vec![
+    fn malformed_get_replies_are_corrupt() {
+        let short = Value::Array(vec![Value::Int(0), Value::Int(12345)]);
+        assert!(record(&short, &key()).is_err());
+        let mut items = vec![
+            Value::Int(7),
+            Value::Int(12345),
+            Value::Int(1),
+            Value::Int(1),
             Value::Int(1),
             Value::Int(-1),
-            Value::Array(vec![s("t"), s("12345"), s("s"), s("10")]),
-        ]);
-        assert!(record(&reply, &key()).is_err());
+            s(""),
+            s("w"),
+            s(""),
+            Value::Int(-1),
+        ];
+        assert!(
+            record(&Value::Array(items.clone()), &key()).is_err(),
+            "state 7"
+        );
+        items[0] = Value::Int(0);
+        items[6] = s("not 32 bytes");
+        assert!(record(&Value::Array(items), &key()).is_err(), "fingerprint");
         assert_eq!(record(&Value::Nil, &key()).unwrap(), None);
     }
 

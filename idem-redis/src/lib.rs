@@ -34,38 +34,47 @@
 //!
 //! # Storage layout
 //!
-//! One hash per idempotency key, at `{prefix}{namespace}:{id}` (prefix [`DEFAULT_PREFIX`],
-//! `idem:`, by default). A namespace holds only `[A-Za-z0-9._-]`, so the first `:` after the
-//! prefix ends it and the mapping is unambiguous; the id is stored as is, readable by operators.
+//! One Redis string per idempotency key, at `{prefix}{namespace}:{id}` (prefix
+//! [`DEFAULT_PREFIX`], `idem:`, by default). A namespace holds only `[A-Za-z0-9._-]`, so the first
+//! `:` after the prefix ends it and the mapping is unambiguous; the id is stored as is, readable
+//! by operators. The value packs the record:
 //!
-//! | field | holds |
+//! | bytes | holds |
 //! |---|---|
-//! | `t` | fencing token (integer) |
-//! | `s` | `attempts × 10 + state`; state 0 in progress, 1 released, 2 completed, 3 failed retryable, 4 failed terminal (`22` reads "2 attempts, completed") |
-//! | `o` | owner of the last acquisition |
-//! | `f` | fingerprint, 32 raw bytes; absent when the caller opted out |
-//! | `c` | `created_at`, in ms **before** `base = token / 1000`; absent when 0 (a first acquisition, nearly always) |
-//! | `u` | `updated_at`, in ms after `base` |
-//! | `l` | lease end, in ms after `base`; only while in progress |
-//! | `r` | the stored result (completed) or error (failed); absent when empty |
+//! | 1 | head: `128 + state + 8` (fingerprint present) `+ 16` (created offset present) `+ 32` (lease present); state 0 in progress, 1 released, 2 completed, 3 failed retryable, 4 failed terminal, 7 tombstone; 64 is reserved |
+//! | 8 | fencing token, unsigned big-endian |
+//! | varint | attempts |
+//! | zigzag varint | `updated_at − base`, in ms, where `base = token / 1000` |
+//! | zigzag varint | `base − created_at`, in ms; only with flag 16 (absent when 0, as on a first acquisition) |
+//! | zigzag varint | lease end `− base`, in ms; flag 32, present exactly while in progress |
+//! | 32 | fingerprint; only with flag 8 (absent when the caller opted out) |
+//! | varint, then that many | owner of the last acquisition |
+//! | the rest | the stored result (completed) or error (failed); empty otherwise |
 //!
-//! A hash that holds only `t` is a **tombstone**, left by
-//! [`delete`](idem_core::IdempotencyStore::delete) (see [Fencing tokens](#fencing-tokens)).
+//! Varints are unsigned LEB128 (7 bits a byte, least significant first); a zigzag varint holds a
+//! signed `n` as `2n` when `n ≥ 0`, else `−2n − 1` (the encoding of Protocol Buffers' `sint64`).
+//! A head byte is 128 to 191, never the first byte of UTF-8 text, so no text value is mistaken
+//! for a record; a value that does not decode, or a key of another type, is reported as
+//! [`CorruptRecord`](idem_core::Error::CorruptRecord) and left untouched. A **tombstone**, left
+//! by [`delete`](idem_core::IdempotencyStore::delete), is the head byte 135 and the token, nothing
+//! else (see [Fencing tokens](#fencing-tokens)).
 //!
-//! The retention deadline (`expires_at`) is not a field: it is the key's own expiry, set with
-//! `PEXPIREAT` by `complete` and `fail` and read back with `PEXPIRETIME`, so Redis itself
+//! The retention deadline (`expires_at`) is not in the value: it is the key's own expiry, set with
+//! `SET ... PXAT` by `complete` and `fail` and read back with `PEXPIRETIME`, so Redis itself
 //! removes finished records and [`purge_expired`](idem_core::IdempotencyStore::purge_expired)
 //! is a no-op. Records in progress or released carry no expiry (the contract keeps them until
 //! they finish, so a poison message's attempt count is never lost). A key at or past its
 //! deadline is treated as absent by every script, even in the millisecond before Redis drops it.
 //!
-//! Times are stored relative to the token, and state and attempts share one field, because the
-//! hash must stay small: every field costs bytes in Redis' listpack encoding, and allocations
-//! come in size classes (48, 64, 80, 96 bytes ...). `MEMORY USAGE` of a completed record with an
-//! empty result and a key of up to 28 bytes is 72 bytes of per-key Redis overhead (object
-//! header, dictionary entry, key string) plus the hash: 120 bytes in all without a fingerprint,
-//! 152 bytes with one (its 32 bytes move the hash into the next size class) when the owner id is
-//! at most 7 bytes. The benchmark `redis_bench` prints the figures.
+//! The record is packed because idempotency keys are many and every byte of them stays in
+//! memory for the whole retention. A hash would cost a field name and listpack framing per
+//! field (152 bytes for the record below), and any result over 64 bytes would turn it into a
+//! full hash table. `MEMORY USAGE` of a completed record with an empty result, a fingerprint, a
+//! storage key of up to 30 bytes and an owner id of up to 15 bytes is **136 bytes** (a value of
+//! at most 60 bytes, plus 72 bytes of per-key Redis overhead: object header, dictionary entry,
+//! key string); 104 bytes without a fingerprint. Allocations come in size classes, so a longer
+//! owner or key moves the record to the next classes (a 36-byte owner, or a UUID id: 168 bytes).
+//! The benchmark `redis_bench` prints the figures.
 //!
 //! # Clock
 //!
@@ -75,11 +84,11 @@
 //!
 //! # Fencing tokens
 //!
-//! A new token is `max(previous + 1, server time in microseconds)`. While the hash exists the
+//! A new token is `max(previous + 1, server time in microseconds)`. While the key exists the
 //! `previous + 1` term makes tokens strictly increasing, whatever the clock does.
 //!
-//! `delete` does not remove the key: it replaces the record with a tombstone, a hash holding only
-//! the token (`{t = <token>}`), that expires after **7 days**. Every script treats a tombstone as
+//! `delete` does not remove the key: it replaces the record with a tombstone, holding only the
+//! token, that expires after **7 days**. Every script treats a tombstone as
 //! an absent record (`get` returns `None`, `delete` returns `false`, `extend` / `complete` /
 //! `fail` / `release` are `LeaseLost` with no current token, and `acquire` starts a fresh record
 //! at attempt 1), but `acquire` still takes its token as `previous`, so the first token after a
@@ -126,8 +135,9 @@
 //! - Without persistence (RDB/AOF) a restart forgets every record; tokens stay monotonic (the
 //!   clock term) but completed work can run again. Use AOF (`appendfsync everysec` or `always`)
 //!   where that matters.
-//! - `redis-cli --scan --pattern 'idem:payments:*'` lists a namespace; `HGETALL` shows a record
-//!   (see the layout above; only `t` for a tombstone), `PEXPIRETIME` its retention deadline.
+//! - `redis-cli --scan --pattern 'idem:payments:*'` lists a namespace, `PEXPIRETIME` shows a
+//!   record's retention deadline; read records with the store's
+//!   [`get`](idem_core::IdempotencyStore::get) (the value is packed, see the layout above).
 //! - Remove records with the store's `delete`, not `DEL`: a plain `DEL` leaves no tombstone, so
 //!   the next token relies on the server clock alone.
 //!
@@ -148,7 +158,7 @@
 //! - I/O errors, timeouts, refused or dropped connections and cluster-down / loading / read-only
 //!   / redirect errors, `OOM` (over `maxmemory`) and `BUSY` (a long script running) map to
 //!   `Unavailable` (retryable: the operation may or may not have taken effect); other server
-//!   errors map to `Backend`; a hash that cannot be decoded is `CorruptRecord`.
+//!   errors map to `Backend`; a value that is not a record is `CorruptRecord`.
 //! - Nothing that may have run is sent twice. On one server the connection manager reconnects
 //!   but never re-sends a request. On a cluster the driver is built with no retries at all (its
 //!   one retry budget would also re-send a script after a response timeout or a dropped

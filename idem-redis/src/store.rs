@@ -19,7 +19,7 @@ use crate::config::RedisConfig;
 use crate::conn::{Call, Conn, STORE};
 use crate::scripts::{LuaScript, SCRIPTS};
 
-/// An [`IdempotencyStore`] on Redis: one hash per key, one Lua script per transition, on a
+/// An [`IdempotencyStore`] on Redis: one packed string per key, one Lua script per transition, on a
 /// single server or a Redis Cluster.
 ///
 /// See the [crate docs](crate) for the storage layout, the clock, the token scheme and the
@@ -129,7 +129,7 @@ impl RedisStore {
         codec::storage_key(&self.inner.config.prefix, key)
     }
 
-    /// Runs one script on `key`. A script that found an undecodable hash answers
+    /// Runs one script on `key`. A script that found an undecodable record answers
     /// `IDEMCORRUPT <reason>`, which becomes [`Error::CorruptRecord`].
     async fn run(&self, key: &[u8], call: &Call<'_>) -> Result<Value> {
         let config = &self.inner.config;
@@ -144,10 +144,14 @@ impl RedisStore {
                     .downcast_ref::<redis::RedisError>()
                     .is_some_and(|re| re.code() == Some("IDEMCORRUPT")) =>
             {
-                let reason = source
+                let detail = source
                     .downcast_ref::<redis::RedisError>()
                     .and_then(|re| re.detail())
-                    .unwrap_or("undecodable record")
+                    .unwrap_or("undecodable record");
+                // Redis appends where the error was raised: " script: <sha>, on @user_script:N."
+                let reason = detail
+                    .split_once(" script: ")
+                    .map_or(detail, |(reason, _)| reason)
                     .to_owned();
                 Err(Error::corrupt(STORE, String::from_utf8_lossy(key), reason))
             }

@@ -12,9 +12,11 @@ use std::time::{Duration, Instant};
 
 use common::PrivateRedis;
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Error, Fingerprint, IdempotencyStore, Lease, Namespace,
+    AcquireOutcome, AcquireRequest, Bytes, Error, FencingToken, Fingerprint, IdempotencyStore,
+    Lease, Namespace,
 };
 use idem_redis::{RedisConfig, RedisStore};
+use integer_encoding::VarInt;
 use redis::aio::MultiplexedConnection;
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -186,20 +188,7 @@ impl Counter {
 }
 
 /// Commands the scripts call inside Redis (never sent by the client).
-const INNER: &[&str] = &[
-    "time",
-    "hmget",
-    "hget",
-    "hgetall",
-    "hset",
-    "hdel",
-    "del",
-    "persist",
-    "pexpire",
-    "pexpireat",
-    "pexpiretime",
-    "hexists",
-];
+const INNER: &[&str] = &["time", "get", "set", "del", "pexpiretime"];
 
 fn assert_one_script_call(what: &str, cost: &Cost) {
     println!("{what}: sent {:?}, inner {:?}", cost.sent, cost.others);
@@ -331,8 +320,72 @@ async fn every_transition_is_one_round_trip() {
     assert!(deleted.unwrap());
 }
 
+/// A stored record, decoded here independently of the scripts, following the layout in the
+/// crate docs.
+#[derive(Debug, PartialEq)]
+struct Packed {
+    state: u8,
+    token: u64,
+    attempts: u64,
+    updated: i64,
+    created: Option<i64>,
+    lease: Option<i64>,
+    fingerprint: Option<Vec<u8>>,
+    owner: String,
+    payload: Vec<u8>,
+}
+
+fn unpack(v: &[u8]) -> Packed {
+    let head = v[0];
+    assert_eq!(head & 0b1100_0000, 0b1000_0000, "format 1: {head:#b}");
+    let token = u64::from_be_bytes(v[1..9].try_into().unwrap());
+    let mut rest = &v[9..];
+    let mut unsigned = || {
+        let (n, len) = u64::decode_var(rest).expect("varint");
+        rest = &rest[len..];
+        n
+    };
+    let attempts = unsigned();
+    let zigzag = |n: u64| i64::decode_var(&n.encode_var_vec()).unwrap().0;
+    let updated = zigzag(unsigned());
+    let created = (head & 16 != 0).then(|| zigzag(unsigned()));
+    let lease = (head & 32 != 0).then(|| zigzag(unsigned()));
+    let fingerprint = (head & 8 != 0).then(|| {
+        let (fp, tail) = rest.split_at(32);
+        rest = tail;
+        fp.to_vec()
+    });
+    let (len, n) = u64::decode_var(rest).expect("owner length");
+    let (owner, payload) = rest[n..].split_at(usize::try_from(len).unwrap());
+    Packed {
+        state: head & 7,
+        token,
+        attempts,
+        updated,
+        created,
+        lease,
+        fingerprint,
+        owner: String::from_utf8(owner.to_vec()).unwrap(),
+        payload: payload.to_vec(),
+    }
+}
+
+async fn raw_value(admin: &mut MultiplexedConnection, storage_key: &[u8]) -> (Vec<u8>, i64) {
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(storage_key)
+        .query_async(admin)
+        .await
+        .unwrap();
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(storage_key)
+        .query_async(admin)
+        .await
+        .unwrap();
+    (value, pttl)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stored_layout_is_a_small_hash_with_key_expiry() {
+async fn stored_layout_is_one_packed_string_with_key_expiry() {
     let server = PrivateRedis::start();
     let store = RedisStore::connect_with(&server.url(), RedisConfig::default())
         .await
@@ -342,52 +395,54 @@ async fn stored_layout_is_a_small_hash_with_key_expiry() {
     let key = ns.key("k0000001").unwrap();
     let storage_key = store.storage_key(&key);
     assert_eq!(storage_key, b"idem:bench:k0000001");
+    let fp = Fingerprint::of("p");
+    let lease_ttl = Duration::from_secs(30);
 
-    let req = AcquireRequest::new(key.clone(), "w1").with_fingerprint(Fingerprint::of("p"));
+    let req = AcquireRequest::new(key.clone(), "w1")
+        .with_fingerprint(fp)
+        .with_lease_ttl(lease_ttl);
     let lease = lease_of(store.acquire(&req).await);
-    let fields: HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
-        .arg(&storage_key)
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    let mut names: Vec<&str> = fields.keys().map(String::as_str).collect();
-    names.sort_unstable();
-    assert_eq!(names, ["f", "l", "o", "s", "t", "u"]);
-    assert_eq!(fields["t"], lease.token.get().to_string().into_bytes());
-    assert_eq!(fields["s"], b"10");
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg(&storage_key)
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    assert_eq!(ttl, -1, "records in progress carry no expiry");
+    let (value, pttl) = raw_value(&mut admin, &storage_key).await;
+    let packed = unpack(&value);
+    let base = i64::try_from(lease.token.get() / 1000).unwrap();
+    assert_eq!(value[0], 128 + 8 + 32, "in progress, fingerprint, lease");
+    assert_eq!(packed.state, 0);
+    assert_eq!(packed.token, lease.token.get());
+    assert_eq!(packed.attempts, 1);
+    assert_eq!(packed.created, None, "created at the token's millisecond");
+    assert_eq!(packed.updated, 0);
+    let lease_end = i64::try_from(
+        lease
+            .expires_at
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap();
+    assert_eq!(packed.lease, Some(lease_end - base));
+    assert_eq!(packed.fingerprint.as_deref(), Some(&fp.as_bytes()[..]));
+    assert_eq!(packed.owner, "w1");
+    assert!(packed.payload.is_empty());
+    assert_eq!(pttl, -1, "records in progress carry no expiry");
 
+    tokio::time::sleep(Duration::from_millis(5)).await;
     store.complete(&lease, Bytes::new(), HOUR).await.unwrap();
-    let fields: HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
-        .arg(&storage_key)
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    let mut names: Vec<&str> = fields.keys().map(String::as_str).collect();
-    names.sort_unstable();
-    assert_eq!(names, ["f", "o", "s", "t", "u"]);
-    assert_eq!(fields["s"], b"12");
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg(&storage_key)
-        .query_async(&mut admin)
-        .await
-        .unwrap();
+    let (value, pttl) = raw_value(&mut admin, &storage_key).await;
+    let packed = unpack(&value);
+    assert_eq!(value[0], 128 + 2 + 8, "completed, fingerprint, no lease");
+    assert_eq!(packed.state, 2);
+    assert_eq!(packed.lease, None);
+    assert!(packed.updated >= 5, "{packed:?}");
     assert!(
-        ttl > 3_590_000 && ttl <= 3_600_000,
-        "retention is the key's expiry: {ttl}"
+        pttl > 3_590_000 && pttl <= 3_600_000,
+        "retention is the key's expiry: {pttl}"
     );
-    let encoding: String = redis::cmd("OBJECT")
-        .arg("ENCODING")
-        .arg(&storage_key)
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    assert_eq!(encoding, "listpack");
+    // Head, token, attempts, updated (one or two bytes), fingerprint, owner length and owner.
+    assert!(
+        (1 + 8 + 1 + 1 + 32 + 1 + 2..=1 + 8 + 1 + 2 + 32 + 1 + 2).contains(&value.len()),
+        "{} bytes",
+        value.len()
+    );
     let bytes: u64 = redis::cmd("MEMORY")
         .arg("USAGE")
         .arg(&storage_key)
@@ -395,11 +450,57 @@ async fn stored_layout_is_a_small_hash_with_key_expiry() {
         .await
         .unwrap();
     println!(
-        "MEMORY USAGE of a completed record with an empty result and a fingerprint: {bytes} B"
+        "MEMORY USAGE of a completed record with an empty result and a fingerprint: {bytes} B \
+         ({} bytes of value)",
+        value.len()
     );
     let record = store.get(&key).await.unwrap().unwrap();
     assert_eq!(record.token, lease.token);
     assert!(record.expires_at.is_some());
+
+    // A result and an error are the tail of the value; a later attempt records when the key was
+    // created, relative to its newer token.
+    let key = ns.key("k0000002").unwrap();
+    let storage_key = store.storage_key(&key);
+    let req = AcquireRequest::new(key.clone(), "worker-two");
+    let first = lease_of(store.acquire(&req).await);
+    store
+        .fail(&first, "timeout \u{1F4A5}", true, HOUR)
+        .await
+        .unwrap();
+    let (value, _) = raw_value(&mut admin, &storage_key).await;
+    let packed = unpack(&value);
+    assert_eq!((packed.state, packed.fingerprint), (3, None));
+    assert_eq!(packed.payload, "timeout \u{1F4A5}".as_bytes());
+    tokio::time::sleep(Duration::from_millis(3)).await;
+    let second = lease_of(store.acquire(&req).await);
+    store
+        .complete(&second, Bytes::from_static(b"\x00{\"ok\":1}\xff"), HOUR)
+        .await
+        .unwrap();
+    let (value, _) = raw_value(&mut admin, &storage_key).await;
+    let packed = unpack(&value);
+    assert_eq!((packed.state, packed.attempts), (2, 2));
+    assert_eq!(packed.payload, b"\x00{\"ok\":1}\xff");
+    assert_eq!(packed.owner, "worker-two");
+    let created = packed.created.expect("created before the second token");
+    assert!(created >= 3, "{packed:?}");
+    let record = store.get(&key).await.unwrap().unwrap();
+    let first_ms = first
+        .token
+        .get()
+        .checked_div(1000)
+        .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms))
+        .unwrap();
+    assert_eq!(record.created_at, first_ms);
+
+    // delete leaves a tombstone: the head of a tombstone and the token, nothing else.
+    assert!(store.delete(&key).await.unwrap());
+    let (value, pttl) = raw_value(&mut admin, &storage_key).await;
+    let mut tombstone = vec![128 + 7];
+    tombstone.extend_from_slice(&second.token.get().to_be_bytes());
+    assert_eq!(value, tombstone);
+    assert!(pttl > 604_700_000, "{pttl}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -456,54 +557,125 @@ async fn outage_is_unavailable_then_the_store_reconnects() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn undecodable_records_are_corrupt() {
+async fn undecodable_records_are_corrupt_and_left_alone() {
     let server = PrivateRedis::start();
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let mut admin = admin(&server).await;
     let ns = Namespace::new("corrupt").unwrap();
+    let set = async |admin: &mut MultiplexedConnection, id: &str, value: &[u8]| {
+        let key = ns.key(id).unwrap();
+        let _: () = redis::cmd("SET")
+            .arg(store.storage_key(&key))
+            .arg(value)
+            .query_async(admin)
+            .await
+            .unwrap();
+        key
+    };
 
-    // A hash with a token but no state is a tombstone (what `delete` leaves): absent to every
-    // script, its token only raises the next one.
-    let key = ns.key("no-state").unwrap();
-    let _: () = redis::cmd("HSET")
-        .arg(store.storage_key(&key))
-        .arg("t")
-        .arg("12345")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
+    // A tombstone (what `delete` leaves) is absent to every script; its token only raises the
+    // next one.
+    let mut tombstone = vec![128 + 7];
+    tombstone.extend_from_slice(&12345u64.to_be_bytes());
+    let key = set(&mut admin, "tombstone", &tombstone).await;
     assert!(store.get(&key).await.unwrap().is_none());
     assert!(!store.delete(&key).await.unwrap());
     let lease = lease_of(store.acquire(&AcquireRequest::new(key.clone(), "w")).await);
     assert_eq!(lease.attempt, 1);
     assert!(lease.token.get() > 12345);
 
-    // An unknown state code.
-    let key = ns.key("bad-state").unwrap();
+    let token = 12345u64.to_be_bytes();
+    let with_token = |head: u8, tail: &[u8]| [&[head][..], &token, tail].concat();
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "bad-state",
+            with_token(128 + 5, b"\x01\x00\x01w"),
+            "unknown state 5",
+        ),
+        ("truncated", with_token(128 + 2, b""), "truncated"),
+        (
+            "overlong",
+            with_token(128 + 2, &[0xff; 12]),
+            "longer than 8 bytes",
+        ),
+        (
+            "owner-cut",
+            with_token(128 + 2, b"\x01\x00\x09w"),
+            "truncated in the owner",
+        ),
+        (
+            "fp-cut",
+            with_token(128 + 2 + 8, b"\x01\x00abc"),
+            "fingerprint",
+        ),
+        ("no-lease", with_token(128, b"\x01\x00\x01w"), "lease"),
+        (
+            "lease-done",
+            with_token(128 + 2 + 32, b"\x01\x00\x02\x01w"),
+            "lease",
+        ),
+        ("tomb-tail", with_token(128 + 7, b"x"), "tombstone"),
+        (
+            "reserved",
+            with_token(128 + 64 + 2, b"\x01\x00\x01w"),
+            "format",
+        ),
+        (
+            "text",
+            b"{\"some\": \"other application\"}".to_vec(),
+            "format",
+        ),
+        ("short", vec![128 + 2, 1, 2], "format"),
+    ];
+    for (id, value, reason) in cases {
+        let key = set(&mut admin, id, &value).await;
+        let lease = Lease {
+            key: key.clone(),
+            owner: "w".into(),
+            token: FencingToken::new(12345),
+            attempt: 1,
+            expires_at: std::time::SystemTime::now() + HOUR,
+        };
+        let results = [
+            store
+                .acquire(&AcquireRequest::new(key.clone(), "w"))
+                .await
+                .map(drop),
+            store.get(&key).await.map(drop),
+            store.delete(&key).await.map(drop),
+            store.extend(&lease, HOUR).await.map(drop),
+            store.complete(&lease, Bytes::new(), HOUR).await,
+            store.fail(&lease, "e", true, HOUR).await,
+            store.release(&lease).await,
+        ];
+        for r in results {
+            match r {
+                Err(Error::CorruptRecord { reason: why, .. }) => {
+                    assert!(why.contains(reason), "{id}: {why:?} lacks {reason:?}");
+                    assert!(!why.contains("script:"), "{id}: {why:?}");
+                }
+                other => panic!("{id}: expected CorruptRecord, got {other:?}"),
+            }
+        }
+        let (stored, _) = raw_value(&mut admin, &store.storage_key(&key)).await;
+        assert_eq!(stored, value, "{id}: a corrupt record is left as it was");
+    }
+
+    // Another type of value under the prefix (some other application's hash).
+    let key = ns.key("a-hash").unwrap();
     let _: () = redis::cmd("HSET")
         .arg(store.storage_key(&key))
-        .arg(&["t", "12345", "s", "17", "o", "w", "u", "0"])
+        .arg(&["t", "12345"])
         .query_async(&mut admin)
         .await
         .unwrap();
     let r = store.acquire(&AcquireRequest::new(key.clone(), "w")).await;
-    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
-    let r = store.get(&key).await;
-    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
-
-    // Not a hash at all (some other application's key under the prefix): a backend error.
-    let key = ns.key("a-string").unwrap();
-    let _: () = redis::cmd("SET")
-        .arg(store.storage_key(&key))
-        .arg("x")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    let r = store.acquire(&AcquireRequest::new(key, "w")).await;
     assert!(
-        matches!(r, Err(Error::Backend { store: "redis", .. })),
+        matches!(&r, Err(Error::CorruptRecord { reason, .. }) if reason.contains("WRONGTYPE")),
         "{r:?}"
     );
+    let r = store.delete(&key).await;
+    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,21 +1,31 @@
 -- Shared prelude of every idem script (the Rust side puts it after the `#!lua` line and before
 -- the script's own body).
 --
--- One hash per key, KEYS[1]. Fields (see the crate docs for the full layout):
---   t  fencing token, an integer (microseconds of the server clock when issued, or previous + 1)
---   s  attempts * 10 + state (0 in progress, 1 released, 2 completed, 3 failed retryable,
---      4 failed terminal)
---   o  owner of the last acquisition
---   f  fingerprint, 32 raw bytes; absent when the caller opted out
---   c  created_at, as milliseconds BEFORE base = floor(t / 1000); absent when 0
---   u  updated_at, as milliseconds after base
---   l  lease end, as milliseconds after base; only while in progress
---   r  stored result (completed) or error (failed); absent when empty
--- The retention deadline is the key's own expiry (PEXPIREAT); in-progress and released records
--- have none. A hash holding only `t` is a tombstone left by delete (absent to every script, it
--- keeps tokens growing; it expires after 7 days). All times come from the server clock (TIME), in milliseconds.
+-- One Redis string per key, KEYS[1], packed as follows (the crate docs, "Storage layout", have
+-- the same table):
+--   1 byte    head: 128 (format 1) + state + 8 (fingerprint) + 16 (created) + 32 (lease);
+--             state 0 in progress, 1 released, 2 completed, 3 failed retryable,
+--             4 failed terminal, 7 tombstone (left by delete: only the token follows); 64 is
+--             reserved. A head is 128..191, never the first byte of UTF-8 text, so no text value
+--             under the prefix is mistaken for a record
+--   8 bytes   fencing token, unsigned big-endian
+--   varint    attempts
+--   zigzag    updated_at - base, in ms, where base = floor(token / 1000)
+--   zigzag    base - created_at, in ms; only with flag 16 (absent when 0, nearly always)
+--   zigzag    lease end - base, in ms; only with flag 32, which is set exactly while in progress
+--   32 bytes  fingerprint; only with flag 8 (absent when the caller opted out)
+--   varint    owner length in bytes, then the owner
+--   the rest  stored result (completed) or error (failed); empty in other states
+-- varint is unsigned LEB128 (7 bits a byte, low first); zigzag stores a signed n as varint(2n)
+-- when n >= 0, else varint(-2n - 1). The retention deadline is the key's own expiry (PXAT);
+-- in-progress and released records have none. All times come from the server clock (TIME), in
+-- milliseconds since the Unix epoch. Tokens stay below 2^53, so Lua's numbers hold them exactly;
+-- the fence compares the stored token's decimal text with the caller's, character for character.
 
 local key = KEYS[1]
+
+local FORMAT = 128
+local TOMBSTONE = 7
 
 -- Decimal text of an integer-valued number, never in exponent notation.
 local function int(n)
@@ -29,8 +39,9 @@ local function clock()
   return us, math.floor(us / 1000)
 end
 
+-- Aborts the script with `IDEMCORRUPT <what>`, which the store reports as a corrupt record.
 local function corrupt(what)
-  return redis.error_reply('IDEMCORRUPT ' .. what)
+  error({err = 'IDEMCORRUPT ' .. what})
 end
 
 -- Whether the key carries a retention deadline that has passed.
@@ -39,31 +50,159 @@ local function past_retention(now)
   return exp >= 0 and exp <= now
 end
 
--- The fence of every transition after acquire: the record exists (a hash without `s` is a
--- tombstone left by delete, which counts as absent), is not past retention, is in progress and
--- carries `token` (decimal text, compared as text). Returns the packed `s` value; or nil, the
--- current token (-1 when the record is absent, a tombstone or past retention) and, when the
--- record carries `token` but is no longer in progress, its packed `s` value (so that the caller
--- can recognise a replay of its own transition).
-local function fence(token, now)
-  local h = redis.call('HMGET', key, 't', 's')
-  if h[1] == nil or h[1] == false then
-    return nil, -1
-  end
-  local s = tonumber(h[2])
-  if s == nil or past_retention(now) then
-    return nil, -1
-  end
-  if h[1] == token then
-    if s % 10 == 0 then
-      return s
+local function varint(n)
+  local out = {}
+  repeat
+    local b = n % 128
+    n = (n - b) / 128
+    if n > 0 then
+      b = b + 128
     end
-    return nil, tonumber(h[1]), s
-  end
-  return nil, tonumber(h[1])
+    out[#out + 1] = string.char(b)
+  until n == 0
+  return table.concat(out)
 end
 
--- Whether the stored result or error (`r`, absent when empty) is `value`.
-local function stored_is(value)
-  return (redis.call('HGET', key, 'r') or '') == value
+local function zigzag(n)
+  if n >= 0 then
+    return varint(2 * n)
+  end
+  return varint(-2 * n - 1)
+end
+
+-- The varint at byte `pos` of `v`, and the position after it.
+local function read_varint(v, pos)
+  local n, scale = 0, 1
+  while true do
+    local b = string.byte(v, pos)
+    if b == nil then
+      corrupt('record truncated in an integer')
+    end
+    if scale > 2 ^ 49 then
+      corrupt('integer longer than 8 bytes')
+    end
+    pos = pos + 1
+    if b < 128 then
+      return n + b * scale, pos
+    end
+    n = n + (b - 128) * scale
+    scale = scale * 128
+  end
+end
+
+local function read_zigzag(v, pos)
+  local z, next_pos = read_varint(v, pos)
+  if z % 2 == 0 then
+    return z / 2, next_pos
+  end
+  return -(z + 1) / 2, next_pos
+end
+
+-- The record at `key`: nil when there is no key, else a table with `state`, `token` (a number)
+-- and `tok` (its 8 stored bytes); unless it is a tombstone also `attempts`, `updated`,
+-- `created`, `lease` (absolute ms; `lease` only while in progress), `fp` (nil when none),
+-- `owner` and `payload`. A value that is not a record aborts the script (IDEMCORRUPT).
+local function load()
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' then
+    corrupt('the key holds no idem record (' .. tostring(v.err) .. ')')
+  end
+  if not v then
+    return nil
+  end
+  local head = string.byte(v, 1)
+  if head == nil or head < FORMAT or head >= FORMAT + 64 or #v < 9 then
+    corrupt('unknown record format')
+  end
+  local r = {state = head % 8, tok = string.sub(v, 2, 9)}
+  r.token = struct.unpack('>I8', r.tok)
+  if r.state == TOMBSTONE then
+    if head ~= FORMAT + TOMBSTONE or #v ~= 9 then
+      corrupt('malformed tombstone')
+    end
+    return r
+  end
+  if r.state > 4 then
+    corrupt('unknown state ' .. int(r.state))
+  end
+  local flags = (head - FORMAT - r.state) / 8
+  local base = math.floor(r.token / 1000)
+  local pos, n = 10, 0
+  r.attempts, pos = read_varint(v, pos)
+  n, pos = read_zigzag(v, pos)
+  r.updated = base + n
+  r.created = base
+  if flags % 4 >= 2 then
+    n, pos = read_zigzag(v, pos)
+    r.created = base - n
+  end
+  if flags >= 4 then
+    n, pos = read_zigzag(v, pos)
+    r.lease = base + n
+  end
+  if (r.state == 0) ~= (r.lease ~= nil) then
+    corrupt('lease present in state ' .. int(r.state) .. ' or missing in progress')
+  end
+  if flags % 2 == 1 then
+    r.fp = string.sub(v, pos, pos + 31)
+    if #r.fp ~= 32 then
+      corrupt('record truncated in the fingerprint')
+    end
+    pos = pos + 32
+  end
+  n, pos = read_varint(v, pos)
+  r.owner = string.sub(v, pos, pos + n - 1)
+  if #r.owner ~= n then
+    corrupt('record truncated in the owner')
+  end
+  r.payload = string.sub(v, pos + n)
+  return r
+end
+
+-- Writes record `r` (as `load` returns it, times absolute) at `key`, with `expire_at` (ms since
+-- the epoch) as the key's expiry, or none when nil. SET drops any earlier expiry.
+local function save(r, expire_at)
+  local base = math.floor(r.token / 1000)
+  local head = FORMAT + r.state
+  local parts = {'', struct.pack('>I8', r.token), varint(r.attempts), zigzag(r.updated - base)}
+  if r.created ~= base then
+    head = head + 16
+    parts[#parts + 1] = zigzag(base - r.created)
+  end
+  if r.lease ~= nil then
+    head = head + 32
+    parts[#parts + 1] = zigzag(r.lease - base)
+  end
+  if r.fp ~= nil then
+    head = head + 8
+    parts[#parts + 1] = r.fp
+  end
+  parts[1] = string.char(head)
+  parts[#parts + 1] = varint(#r.owner)
+  parts[#parts + 1] = r.owner
+  parts[#parts + 1] = r.payload
+  if expire_at == nil then
+    redis.call('SET', key, table.concat(parts))
+  else
+    redis.call('SET', key, table.concat(parts), 'PXAT', int(expire_at))
+  end
+end
+
+-- The fence of every transition after acquire: the record exists (a tombstone counts as
+-- absent), is not past retention, is in progress and carries the token whose decimal text is
+-- `token` (compared as text: exact whatever the caller sends). Returns the record; or nil, the current token (-1 when the record is absent, a
+-- tombstone or past retention) and, when the record carries `token` but is no longer in progress,
+-- the record (so that the caller can recognise a replay of its own transition).
+local function fence(token, now)
+  local r = load()
+  if r == nil or r.state == TOMBSTONE or past_retention(now) then
+    return nil, -1
+  end
+  if int(r.token) ~= token then
+    return nil, r.token
+  end
+  if r.state ~= 0 then
+    return nil, r.token, r
+  end
+  return r
 end

@@ -1,20 +1,17 @@
 -- complete(KEYS[1]; token, result, retention_ms) -> {1} or {0, current_token or -1}
 -- Replay-safe: {1} again when the record already is completed with this token and this result.
 local now_us, now = clock()
-local s, current, done = fence(ARGV[1], now)
-if s == nil then
+local r, current, done = fence(ARGV[1], now)
+if r == nil then
   -- A replay of this very completion (the first run's reply was lost): already done.
-  if done ~= nil and done % 10 == 2 and stored_is(ARGV[2]) then
+  if done ~= nil and done.state == 2 and done.payload == ARGV[2] then
     return {1}
   end
   return {0, current}
 end
-local base = math.floor(tonumber(ARGV[1]) / 1000)
-redis.call('HDEL', key, 'l')
-if ARGV[2] == '' then
-  redis.call('HSET', key, 's', int(s + 2), 'u', int(now - base))
-else
-  redis.call('HSET', key, 's', int(s + 2), 'u', int(now - base), 'r', ARGV[2])
-end
-redis.call('PEXPIREAT', key, int(now + tonumber(ARGV[3])))
+r.state = 2
+r.lease = nil
+r.updated = now
+r.payload = ARGV[2]
+save(r, now + tonumber(ARGV[3]))
 return {1}

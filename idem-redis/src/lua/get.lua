@@ -1,11 +1,14 @@
 -- get(KEYS[1]) -> nil when absent, a tombstone or past retention, else
--- {now_ms, expires_at_ms or -1, {field, value, ...}}
+-- {state, token, attempts, created_ms, updated_ms, lease_end_ms or -1, fingerprint or '',
+--  owner, result or error, expires_at_ms or -1}
 local now_us, now = clock()
+local r = load()
+if r == nil or r.state == TOMBSTONE then
+  return false
+end
 local exp = redis.call('PEXPIRETIME', key)
-if exp == -2 or (exp >= 0 and exp <= now) then
+if exp >= 0 and exp <= now then
   return false
 end
-if redis.call('HEXISTS', key, 's') == 0 then
-  return false
-end
-return {now, exp, redis.call('HGETALL', key)}
+return {r.state, r.token, r.attempts, r.created, r.updated, r.lease or -1, r.fp or '', r.owner,
+  r.payload, exp}

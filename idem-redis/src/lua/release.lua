@@ -2,19 +2,19 @@
 -- Replay-safe: {1} again when the record already is released with this token.
 -- The attempt is given back: attempts - 1 (never below 0), state released.
 local now_us, now = clock()
-local s, current, done = fence(ARGV[1], now)
-if s == nil then
+local r, current, done = fence(ARGV[1], now)
+if r == nil then
   -- A replay of this very release (the first run's reply was lost): already done.
-  if done ~= nil and done % 10 == 1 then
+  if done ~= nil and done.state == 1 then
     return {1}
   end
   return {0, current}
 end
-local base = math.floor(tonumber(ARGV[1]) / 1000)
-local attempts = s / 10
-if attempts > 0 then
-  attempts = attempts - 1
+if r.attempts > 0 then
+  r.attempts = r.attempts - 1
 end
-redis.call('HDEL', key, 'l')
-redis.call('HSET', key, 's', int(attempts * 10 + 1), 'u', int(now - base))
+r.state = 1
+r.lease = nil
+r.updated = now
+save(r)
 return {1}
