@@ -395,7 +395,7 @@ mod tests {
             );
         }
         // A script's own error and a corrupt record are neither retried nor unavailable.
-        let corrupt = extension("IDEMCORRUPT", "record without state");
+        let corrupt = extension("IDEMCORRUPT", "unknown state 5");
         assert!(!did_not_run(&corrupt));
         assert!(matches!(map_error(corrupt), Error::Backend { .. }));
     }

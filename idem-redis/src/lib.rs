@@ -45,11 +45,11 @@
 //! | 8 | fencing token, unsigned big-endian |
 //! | varint | attempts |
 //! | zigzag varint | `updated_at − base`, in ms, where `base = token / 1000` |
-//! | zigzag varint | `base − created_at`, in ms; only with flag 16 (absent when 0, as on a first acquisition) |
+//! | zigzag varint | `base − created_at`, in ms; only with flag 16 (absent when 0: on a first acquisition, unless its token had to be above the clock) |
 //! | zigzag varint | lease end `− base`, in ms; flag 32, present exactly while in progress |
 //! | 32 | fingerprint; only with flag 8 (absent when the caller opted out) |
 //! | varint, then that many | owner of the last acquisition |
-//! | the rest | the stored result (completed) or error (failed); empty otherwise |
+//! | the rest | the stored result (completed) or error (failed); empty otherwise. It has no length of its own (a byte more per record): Redis keeps values whole, and a value cut inside it by someone else cannot be told from a shorter result |
 //!
 //! Varints are unsigned LEB128 (7 bits a byte, least significant first); a zigzag varint holds a
 //! signed `n` as `2n` when `n ≥ 0`, else `−2n − 1` (the encoding of Protocol Buffers' `sint64`).
@@ -70,10 +70,12 @@
 //! memory for the whole retention. A hash would cost a field name and listpack framing per
 //! field (152 bytes for the record below), and any result over 64 bytes would turn it into a
 //! full hash table. `MEMORY USAGE` of a completed record with an empty result, a fingerprint, a
-//! storage key of up to 30 bytes and an owner id of up to 15 bytes is **136 bytes** (a value of
-//! at most 60 bytes, plus 72 bytes of per-key Redis overhead: object header, dictionary entry,
-//! key string); 104 bytes without a fingerprint. Allocations come in size classes, so a longer
-//! owner or key moves the record to the next classes (a 36-byte owner, or a UUID id: 168 bytes).
+//! storage key of up to 30 bytes, an owner id of up to 15 bytes, completed on its first attempt
+//! within 8 s of the acquisition, is **136 bytes**: a value of at most 60 bytes, plus 72 bytes of
+//! per-key Redis overhead (object header, dictionary entry, key string). Without a fingerprint it
+//! is 104 bytes. Allocations come in size classes, so each byte past those 60 can move the
+//! record to the next class: a later attempt adds 1 to 3 bytes (the creation offset), a slower
+//! handler 1 (the update offset), and a 36-byte owner or a UUID id makes it 168 bytes.
 //! The benchmark `redis_bench` prints the figures.
 //!
 //! # Clock

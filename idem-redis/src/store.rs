@@ -277,7 +277,7 @@ impl IdempotencyStore for RedisStore {
     }
 
     /// A no-op returning 0: every finished record carries its retention as the key's own expiry
-    /// (`PEXPIREAT`), so Redis removes it by itself; records in progress or released have no
+    /// (`SET ... PXAT`), so Redis removes it by itself; records in progress or released have no
     /// retention deadline.
     async fn purge_expired(&self, _limit: usize) -> Result<u64> {
         Ok(0)

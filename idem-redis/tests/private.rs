@@ -8,12 +8,12 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use common::PrivateRedis;
 use idem_core::{
     AcquireOutcome, AcquireRequest, Bytes, Error, FencingToken, Fingerprint, IdempotencyStore,
-    Lease, Namespace,
+    Lease, Namespace, RecordState,
 };
 use idem_redis::{RedisConfig, RedisStore};
 use integer_encoding::VarInt;
@@ -626,29 +626,15 @@ async fn undecodable_records_are_corrupt_and_left_alone() {
             "format",
         ),
         ("short", vec![128 + 2, 1, 2], "format"),
+        (
+            "released-tail",
+            with_token(128 + 1, b"\x01\x00\x01wgarbage"),
+            "bytes after the owner",
+        ),
     ];
     for (id, value, reason) in cases {
         let key = set(&mut admin, id, &value).await;
-        let lease = Lease {
-            key: key.clone(),
-            owner: "w".into(),
-            token: FencingToken::new(12345),
-            attempt: 1,
-            expires_at: std::time::SystemTime::now() + HOUR,
-        };
-        let results = [
-            store
-                .acquire(&AcquireRequest::new(key.clone(), "w"))
-                .await
-                .map(drop),
-            store.get(&key).await.map(drop),
-            store.delete(&key).await.map(drop),
-            store.extend(&lease, HOUR).await.map(drop),
-            store.complete(&lease, Bytes::new(), HOUR).await,
-            store.fail(&lease, "e", true, HOUR).await,
-            store.release(&lease).await,
-        ];
-        for r in results {
+        for r in every_operation(&store, &key).await {
             match r {
                 Err(Error::CorruptRecord { reason: why, .. }) => {
                     assert!(why.contains(reason), "{id}: {why:?} lacks {reason:?}");
@@ -669,13 +655,116 @@ async fn undecodable_records_are_corrupt_and_left_alone() {
         .query_async(&mut admin)
         .await
         .unwrap();
-    let r = store.acquire(&AcquireRequest::new(key.clone(), "w")).await;
-    assert!(
-        matches!(&r, Err(Error::CorruptRecord { reason, .. }) if reason.contains("WRONGTYPE")),
-        "{r:?}"
+    for r in every_operation(&store, &key).await {
+        assert!(
+            matches!(&r, Err(Error::CorruptRecord { reason, .. }) if reason.contains("WRONGTYPE")),
+            "{r:?}"
+        );
+    }
+    let hash: HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(store.storage_key(&key))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        hash,
+        HashMap::from([("t".to_owned(), "12345".to_owned())]),
+        "left as it was"
     );
-    let r = store.delete(&key).await;
-    assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
+}
+
+/// Runs all seven operations on `key` (the fenced ones with a lease holding token 12345).
+async fn every_operation(
+    store: &RedisStore,
+    key: &idem_core::IdempotencyKey,
+) -> [idem_core::Result<()>; 7] {
+    let lease = Lease {
+        key: key.clone(),
+        owner: "w".into(),
+        token: FencingToken::new(12345),
+        attempt: 1,
+        expires_at: SystemTime::now() + HOUR,
+    };
+    [
+        store
+            .acquire(&AcquireRequest::new(key.clone(), "w"))
+            .await
+            .map(drop),
+        store.get(key).await.map(drop),
+        store.delete(key).await.map(drop),
+        store.extend(&lease, HOUR).await.map(drop),
+        store.complete(&lease, Bytes::new(), HOUR).await,
+        store.fail(&lease, "e", true, HOUR).await,
+        store.release(&lease).await,
+    ]
+}
+
+/// A token above the server clock (left by a tombstone, after the clock stepped back) is the
+/// `previous` of the next one, and the record's times, stored as negative offsets from it, read
+/// back right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_above_the_clock_round_trip() {
+    let server = PrivateRedis::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let mut admin = admin(&server).await;
+    let key = Namespace::new("ahead").unwrap().key("k").unwrap();
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut admin).await.unwrap();
+    // About 2.8 hours ahead of the server clock.
+    let ahead = secs * 1_000_000 + micros + 10_000_000_000;
+    let mut tombstone = vec![128 + 7];
+    tombstone.extend_from_slice(&ahead.to_be_bytes());
+    let _: () = redis::cmd("SET")
+        .arg(store.storage_key(&key))
+        .arg(&tombstone)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+
+    let started = SystemTime::now();
+    let near = |t: SystemTime| {
+        let d = t.duration_since(started).unwrap_or_else(|e| e.duration());
+        d < Duration::from_secs(5)
+    };
+    let req = AcquireRequest::new(key.clone(), "w").with_fingerprint(Fingerprint::of("p"));
+    let lease = lease_of(store.acquire(&req).await);
+    assert_eq!(lease.token.get(), ahead + 1, "previous + 1 beats the clock");
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert!(near(record.created_at), "{record:?}");
+    assert!(near(record.updated_at), "{record:?}");
+    let (value, _) = raw_value(&mut admin, &store.storage_key(&key)).await;
+    let packed = unpack(&value);
+    assert!(packed.updated < 0, "{packed:?}");
+    assert!(
+        packed.created.is_some(),
+        "created is not the token's ms: {packed:?}"
+    );
+
+    let lease = store.extend(&lease, HOUR).await.unwrap();
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(record.lease_expires_at, Some(lease.expires_at));
+    store
+        .complete(&lease, Bytes::from_static(b"done"), HOUR)
+        .await
+        .unwrap();
+    let record = store.get(&key).await.unwrap().unwrap();
+    assert_eq!(
+        record.state,
+        RecordState::Completed {
+            result: Bytes::from_static(b"done")
+        }
+    );
+    assert_eq!(record.token, lease.token);
+    assert!(near(record.created_at), "{record:?}");
+    assert!(near(record.updated_at), "{record:?}");
+    assert!(
+        near(record.expires_at.expect("retention") - HOUR),
+        "{record:?}"
+    );
+    let replay = store.acquire(&req).await;
+    assert!(
+        matches!(&replay, Ok(AcquireOutcome::Replayed { result }) if result == "done"),
+        "{replay:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

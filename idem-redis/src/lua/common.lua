@@ -11,11 +11,14 @@
 --   8 bytes   fencing token, unsigned big-endian
 --   varint    attempts
 --   zigzag    updated_at - base, in ms, where base = floor(token / 1000)
---   zigzag    base - created_at, in ms; only with flag 16 (absent when 0, nearly always)
+--   zigzag    base - created_at, in ms; only with flag 16 (absent when 0: on a first
+--             acquisition, unless its token had to be above the clock)
 --   zigzag    lease end - base, in ms; only with flag 32, which is set exactly while in progress
 --   32 bytes  fingerprint; only with flag 8 (absent when the caller opted out)
 --   varint    owner length in bytes, then the owner
---   the rest  stored result (completed) or error (failed); empty in other states
+--   the rest  stored result (completed) or error (failed); empty in other states. It has no
+--             length of its own (a byte more per record): Redis keeps values whole, and a value
+--             cut inside it by someone else cannot be told from a shorter result
 -- varint is unsigned LEB128 (7 bits a byte, low first); zigzag stores a signed n as varint(2n)
 -- when n >= 0, else varint(-2n - 1). The retention deadline is the key's own expiry (PXAT);
 -- in-progress and released records have none. All times come from the server clock (TIME), in
@@ -156,6 +159,9 @@ local function load()
     corrupt('record truncated in the owner')
   end
   r.payload = string.sub(v, pos + n)
+  if r.state <= 1 and r.payload ~= '' then
+    corrupt('bytes after the owner in state ' .. int(r.state))
+  end
   return r
 end
 
@@ -190,9 +196,10 @@ end
 
 -- The fence of every transition after acquire: the record exists (a tombstone counts as
 -- absent), is not past retention, is in progress and carries the token whose decimal text is
--- `token` (compared as text: exact whatever the caller sends). Returns the record; or nil, the current token (-1 when the record is absent, a
--- tombstone or past retention) and, when the record carries `token` but is no longer in progress,
--- the record (so that the caller can recognise a replay of its own transition).
+-- `token` (compared as text: exact whatever the caller sends). Returns the record; or nil, the
+-- current token (-1 when the record is absent, a tombstone or past retention) and, when the
+-- record carries `token` but is no longer in progress, the record (so that the caller can
+-- recognise a replay of its own transition).
 local function fence(token, now)
   local r = load()
   if r == nil or r.state == TOMBSTONE or past_retention(now) then
