@@ -46,6 +46,7 @@ local attempts = r.attempts
 local function reacquire(takeover)
   local t = next_token()
   r.token = t
+  r.tok = nil
   r.state = 0
   r.attempts = attempts + 1
   r.owner = owner

@@ -53,17 +53,22 @@ local function past_retention(now)
   return exp >= 0 and exp <= now
 end
 
+local byte, char, sub, floor = string.byte, string.char, string.sub, math.floor
+
 local function varint(n)
-  local out = {}
+  if n < 128 then
+    return char(n)
+  end
+  local out = ''
   repeat
     local b = n % 128
     n = (n - b) / 128
     if n > 0 then
       b = b + 128
     end
-    out[#out + 1] = string.char(b)
+    out = out .. char(b)
   until n == 0
-  return table.concat(out)
+  return out
 end
 
 local function zigzag(n)
@@ -75,9 +80,12 @@ end
 
 -- The varint at byte `pos` of `v`, and the position after it.
 local function read_varint(v, pos)
+  local b = byte(v, pos)
+  if b ~= nil and b < 128 then
+    return b, pos + 1
+  end
   local n, scale = 0, 1
   while true do
-    local b = string.byte(v, pos)
     if b == nil then
       corrupt('record truncated in an integer')
     end
@@ -90,6 +98,7 @@ local function read_varint(v, pos)
     end
     n = n + (b - 128) * scale
     scale = scale * 128
+    b = byte(v, pos)
   end
 end
 
@@ -113,84 +122,86 @@ local function load()
   if not v then
     return nil
   end
-  local head = string.byte(v, 1)
+  local head = byte(v, 1)
   if head == nil or head < FORMAT or head >= FORMAT + 64 or #v < 9 then
     corrupt('unknown record format')
   end
-  local r = {state = head % 8, tok = string.sub(v, 2, 9)}
-  r.token = struct.unpack('>I8', r.tok)
-  if r.state == TOMBSTONE then
+  local state = head % 8
+  local tok = sub(v, 2, 9)
+  local token = struct.unpack('>I8', tok)
+  if state == TOMBSTONE then
     if head ~= FORMAT + TOMBSTONE or #v ~= 9 then
       corrupt('malformed tombstone')
     end
-    return r
+    return {state = state, tok = tok, token = token}
   end
-  if r.state > 4 then
-    corrupt('unknown state ' .. int(r.state))
+  if state > 4 then
+    corrupt('unknown state ' .. int(state))
   end
-  local flags = (head - FORMAT - r.state) / 8
-  local base = math.floor(r.token / 1000)
-  local pos, n = 10, 0
-  r.attempts, pos = read_varint(v, pos)
+  local flags = (head - FORMAT - state) / 8
+  local base = floor(token / 1000)
+  local attempts, updated, created, lease, fp, n, pos
+  attempts, pos = read_varint(v, 10)
   n, pos = read_zigzag(v, pos)
-  r.updated = base + n
-  r.created = base
+  updated = base + n
+  created = base
   if flags % 4 >= 2 then
     n, pos = read_zigzag(v, pos)
-    r.created = base - n
+    created = base - n
   end
   if flags >= 4 then
     n, pos = read_zigzag(v, pos)
-    r.lease = base + n
+    lease = base + n
   end
-  if (r.state == 0) ~= (r.lease ~= nil) then
-    corrupt('lease present in state ' .. int(r.state) .. ' or missing in progress')
+  if (state == 0) ~= (lease ~= nil) then
+    corrupt('lease present in state ' .. int(state) .. ' or missing in progress')
   end
   if flags % 2 == 1 then
-    r.fp = string.sub(v, pos, pos + 31)
-    if #r.fp ~= 32 then
+    fp = sub(v, pos, pos + 31)
+    if #fp ~= 32 then
       corrupt('record truncated in the fingerprint')
     end
     pos = pos + 32
   end
   n, pos = read_varint(v, pos)
-  r.owner = string.sub(v, pos, pos + n - 1)
-  if #r.owner ~= n then
+  local owner = sub(v, pos, pos + n - 1)
+  if #owner ~= n then
     corrupt('record truncated in the owner')
   end
-  r.payload = string.sub(v, pos + n)
-  if r.state <= 1 and r.payload ~= '' then
-    corrupt('bytes after the owner in state ' .. int(r.state))
+  local payload = sub(v, pos + n)
+  if state <= 1 and payload ~= '' then
+    corrupt('bytes after the owner in state ' .. int(state))
   end
-  return r
+  return {state = state, tok = tok, token = token, attempts = attempts, updated = updated,
+    created = created, lease = lease, fp = fp, owner = owner, payload = payload}
 end
 
--- Writes record `r` (as `load` returns it, times absolute) at `key`, with `expire_at` (ms since
--- the epoch) as the key's expiry, or none when nil. SET drops any earlier expiry.
+-- Writes record `r` (as `load` returns it, times absolute; `tok` nil when `token` is new) at
+-- `key`, with `expire_at` (ms since the epoch) as the key's expiry, or none when nil. SET drops
+-- any earlier expiry.
 local function save(r, expire_at)
-  local base = math.floor(r.token / 1000)
+  local base = floor(r.token / 1000)
   local head = FORMAT + r.state
-  local parts = {'', struct.pack('>I8', r.token), varint(r.attempts), zigzag(r.updated - base)}
+  local created, lease, fp = '', '', ''
   if r.created ~= base then
     head = head + 16
-    parts[#parts + 1] = zigzag(base - r.created)
+    created = zigzag(base - r.created)
   end
   if r.lease ~= nil then
     head = head + 32
-    parts[#parts + 1] = zigzag(r.lease - base)
+    lease = zigzag(r.lease - base)
   end
   if r.fp ~= nil then
     head = head + 8
-    parts[#parts + 1] = r.fp
+    fp = r.fp
   end
-  parts[1] = string.char(head)
-  parts[#parts + 1] = varint(#r.owner)
-  parts[#parts + 1] = r.owner
-  parts[#parts + 1] = r.payload
+  local v = char(head) .. (r.tok or struct.pack('>I8', r.token)) .. varint(r.attempts)
+    .. zigzag(r.updated - base) .. created .. lease .. fp .. varint(#r.owner) .. r.owner
+    .. r.payload
   if expire_at == nil then
-    redis.call('SET', key, table.concat(parts))
+    redis.call('SET', key, v)
   else
-    redis.call('SET', key, table.concat(parts), 'PXAT', int(expire_at))
+    redis.call('SET', key, v, 'PXAT', int(expire_at))
   end
 end
 
