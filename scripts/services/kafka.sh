@@ -18,6 +18,8 @@
 #
 # Stop it with: kill "$(cat "$IDEM_RUN_DIR/kafka.pid")"
 set -euo pipefail
+# shellcheck source=../lib/await-child.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/../lib/await-child.sh"
 
 port=${IDEM_KAFKA_PORT:-9092}
 run_dir=${IDEM_RUN_DIR:-/tmp/idem-services}
@@ -97,21 +99,5 @@ nohup "$bin" broker \
 pid=$!
 echo "$pid" >"$pidfile"
 
-for _ in $(seq 1 60); do
-  if answers; then
-    say "up on $url (pid $pid, log $log, tansu binary: $bin)"
-    exit 0
-  fi
-  if ! kill -0 "$pid" 2>/dev/null; then
-    echo "kafka: tansu exited; last lines of $log:" >&2
-    tail -n 30 "$log" >&2 || true
-    rm -f "$pidfile"
-    exit 1
-  fi
-  sleep 0.5
-done
-echo "kafka: tansu did not answer on $url within 30 s; stopping the process it started (pid $pid); last lines of $log:" >&2
-tail -n 30 "$log" >&2 || true
-kill "$pid" 2>/dev/null || true
-rm -f "$pidfile"
-exit 1
+await_child kafka "tansu on $url" "$pid" "$log" "$pidfile" 30
+say "up on $url (pid $pid, log $log, tansu binary: $bin)"
