@@ -369,67 +369,11 @@ async fn a_store_lost_while_the_handler_runs_is_reported_with_handler_ran() {
     }
 }
 
-/// A store whose first `complete` takes effect but answers `Unavailable` (a lost reply).
-#[derive(Debug)]
-struct LostReply {
-    inner: MemoryStore,
-    lost: AtomicBool,
-}
-
-#[async_trait]
-impl IdempotencyStore for LostReply {
-    fn name(&self) -> &'static str {
-        "lost-reply"
-    }
-    fn limits(&self) -> Limits {
-        self.inner.limits()
-    }
-    async fn acquire(&self, req: &AcquireRequest) -> idem_core::Result<AcquireOutcome> {
-        self.inner.acquire(req).await
-    }
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> idem_core::Result<Lease> {
-        self.inner.extend(lease, ttl).await
-    }
-    async fn complete(
-        &self,
-        lease: &Lease,
-        result: Bytes,
-        retention: Duration,
-    ) -> idem_core::Result<()> {
-        self.inner.complete(lease, result, retention).await?;
-        if !self.lost.swap(true, Ordering::SeqCst) {
-            return Err(Error::unavailable("lost-reply", "reply lost"));
-        }
-        Ok(())
-    }
-    async fn fail(
-        &self,
-        lease: &Lease,
-        error: &str,
-        retryable: bool,
-        retention: Duration,
-    ) -> idem_core::Result<()> {
-        self.inner.fail(lease, error, retryable, retention).await
-    }
-    async fn release(&self, lease: &Lease) -> idem_core::Result<()> {
-        self.inner.release(lease).await
-    }
-    async fn get(&self, key: &IdempotencyKey) -> idem_core::Result<Option<Record>> {
-        self.inner.get(key).await
-    }
-    async fn delete(&self, key: &IdempotencyKey) -> idem_core::Result<bool> {
-        self.inner.delete(key).await
-    }
-    async fn purge_expired(&self, limit: usize) -> idem_core::Result<u64> {
-        self.inner.purge_expired(limit).await
-    }
-}
-
 #[tokio::test]
 async fn a_completion_whose_reply_was_lost_is_still_executed() {
-    let store = Arc::new(LostReply {
-        inner: MemoryStore::new(),
-        lost: AtomicBool::new(false),
+    let store = Arc::new(Flaky {
+        lose_reply: AtomicBool::new(true),
+        ..Flaky::default()
     });
     let exec = Executor::new(store.clone(), ExecutorConfig::new("lost")).unwrap();
     let r = exec
@@ -437,7 +381,10 @@ async fn a_completion_whose_reply_was_lost_is_still_executed() {
         .await
         .unwrap();
     assert!(matches!(r, Outcome::Executed(4)), "{r:?}");
-    assert!(store.lost.load(Ordering::SeqCst));
+    assert!(
+        !store.lose_reply.load(Ordering::SeqCst),
+        "the first completion's reply was lost"
+    );
 }
 
 /// Counts increments per metric name.
