@@ -140,6 +140,18 @@ impl Config {
 }
 
 type UnreachableFactory = Arc<dyn Fn() -> BoxFuture<'static, Result<DynStore>> + Send + Sync>;
+type RoundTripCounter = Arc<dyn Fn() -> u64 + Send + Sync>;
+
+/// How C23 counts the store's round trips.
+#[derive(Clone)]
+enum RoundTrips {
+    /// Not configured: C23 fails and says so.
+    Unset,
+    /// The store talks to nothing (an in-process store); C23 says so and checks nothing.
+    InProcess(&'static str),
+    /// Returns how many requests the store under test has sent so far.
+    Counter(RoundTripCounter),
+}
 
 /// The store under test, its [`Config`], and (for C20) a way to build the same kind of store
 /// pointed at an endpoint where nothing listens.
@@ -148,6 +160,7 @@ pub struct Harness {
     store: DynStore,
     config: Config,
     unreachable: Option<UnreachableFactory>,
+    round_trips: RoundTrips,
 }
 
 impl fmt::Debug for Harness {
@@ -156,6 +169,14 @@ impl fmt::Debug for Harness {
             .field("store", &self.store)
             .field("config", &self.config)
             .field("unreachable", &self.unreachable.is_some())
+            .field(
+                "round_trips",
+                &match &self.round_trips {
+                    RoundTrips::Unset => "unset",
+                    RoundTrips::InProcess(why) => why,
+                    RoundTrips::Counter(_) => "counted",
+                },
+            )
             .finish()
     }
 }
@@ -167,6 +188,36 @@ impl Harness {
             store,
             config,
             unreachable: None,
+            round_trips: RoundTrips::Unset,
+        }
+    }
+
+    /// Sets how C23 counts round trips: `counter` returns how many requests (commands, queries,
+    /// API calls) the store under test has sent to its server so far. It must count only this
+    /// harness's store (tests run in parallel), and a request the client retries counts again.
+    /// Without it (or [`Harness::in_process`]), C23 fails and says so.
+    pub fn with_round_trips(mut self, counter: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
+        self.round_trips = RoundTrips::Counter(Arc::new(counter));
+        self
+    }
+
+    /// Declares the store in-process (it sends no requests), so C23 has nothing to count;
+    /// `why` is shown in C23's output.
+    pub fn in_process(mut self, why: &'static str) -> Self {
+        self.round_trips = RoundTrips::InProcess(why);
+        self
+    }
+
+    /// How many requests the store has sent so far: `Ok(Some(n))` with a counter,
+    /// `Ok(None)` for an in-process store, `Err` with the reason when nothing was configured.
+    pub fn round_trips(&self) -> std::result::Result<Option<u64>, &'static str> {
+        match &self.round_trips {
+            RoundTrips::Unset => Err(
+                "no round-trip counter: call Harness::with_round_trips (or Harness::in_process \
+                 for a store that sends no requests)",
+            ),
+            RoundTrips::InProcess(_) => Ok(None),
+            RoundTrips::Counter(count) => Ok(Some(count())),
         }
     }
 

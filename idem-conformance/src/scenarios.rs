@@ -1,4 +1,4 @@
-//! The scenarios C01-C20 of the contract, one `pub async fn` each.
+//! The scenarios C01-C24 and C26 of the contract, one `pub async fn` each.
 //!
 //! Every scenario panics with a message naming the broken rule and the value it got.
 
@@ -10,8 +10,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Error, FencingToken, Fingerprint, IdempotencyKey, Lease,
-    MAX_ID_LEN, Record, RecordState, Result,
+    AcquireOutcome, AcquireRequest, Error, FailureKind, FencingToken, Fingerprint, IdempotencyKey,
+    Lease, ListQuery, LostLease, MAX_ID_LEN, Namespace, Record, RecordState, Result, StateKind,
+    Status,
 };
 use rand::Rng;
 use rand::seq::SliceRandom;
@@ -78,9 +79,17 @@ async fn complete(h: &Harness, lease: &Lease, result: impl Into<Bytes>) {
 
 async fn fail(h: &Harness, lease: &Lease, error: &str, retryable: bool) {
     h.store()
-        .fail(lease, error, retryable, h.config().retention)
+        .fail(lease, error, kind_of(retryable), h.config().retention)
         .await
         .unwrap_or_else(|e| panic!("fail of {} failed: {e:?}", lease.key));
+}
+
+fn kind_of(retryable: bool) -> FailureKind {
+    if retryable {
+        FailureKind::Retryable
+    } else {
+        FailureKind::Terminal
+    }
 }
 
 fn close(a: SystemTime, b: SystemTime, tolerance: Duration) -> bool {
@@ -97,19 +106,21 @@ fn assert_lease_lost<T: Debug>(
     presented: FencingToken,
     current: Option<FencingToken>,
 ) {
+    let expected = match current {
+        Some(current) => LostLease::Superseded { current },
+        None => LostLease::Gone,
+    };
     match r {
         Err(Error::LeaseLost {
-            presented: p,
-            current: c,
-            ..
+            presented: p, why, ..
         }) => {
             assert_eq!(
                 p, presented,
                 "{what}: LeaseLost should name the presented token"
             );
             assert_eq!(
-                c, current,
-                "{what}: LeaseLost should name the current token"
+                why, expected,
+                "{what}: LeaseLost should say what the store found"
             );
         }
         other => panic!("{what} with a stale token should be LeaseLost, got {other:?}"),
@@ -370,7 +381,9 @@ pub async fn c07_zombie_fenced(h: &Harness) {
     assert_unchanged("C07: a refused complete", &before, &get(h, &key).await);
     assert_lease_lost(
         "C07 fail",
-        store.fail(&a, "zombie", true, retention).await,
+        store
+            .fail(&a, "zombie", FailureKind::Retryable, retention)
+            .await,
         a.token,
         current,
     );
@@ -445,7 +458,7 @@ pub async fn c09_retryable_failure_reacquires(h: &Harness) {
         record.state,
         RecordState::Failed {
             error: "timeout talking to the bank".into(),
-            retryable: true
+            kind: FailureKind::Retryable
         }
     );
     assert_eq!(record.attempts, 1);
@@ -509,7 +522,8 @@ pub async fn c11_terminal_failure_replayed(h: &Harness) {
         assert_eq!(
             out,
             AcquireOutcome::Failed {
-                error: "card declined".into()
+                error: "card declined".into(),
+                kind: FailureKind::Terminal,
             },
             "C11: a terminal failure is replayed"
         );
@@ -557,7 +571,7 @@ pub async fn c13_retention_expiry(h: &Harness) {
         let (a, _) = acquired(h, &request(h, &key, A)).await;
         if terminal {
             h.store()
-                .fail(&a, "declined", false, retention)
+                .fail(&a, "declined", FailureKind::Terminal, retention)
                 .await
                 .expect("fail");
         } else {
@@ -704,7 +718,12 @@ pub async fn c16_bad_input_rejected(h: &Harness) {
     assert_invalid(
         "C16 oversized error",
         store
-            .fail(&lease, &long_error, true, h.config().retention)
+            .fail(
+                &lease,
+                &long_error,
+                FailureKind::Retryable,
+                h.config().retention,
+            )
             .await,
         "error",
     );
@@ -1109,4 +1128,857 @@ pub async fn c20_unreachable_store(h: &Harness) {
         }
         Err(_) => panic!("C20: get gave no answer within {within:?}"),
     }
+}
+
+#[track_caller]
+fn assert_lost_because<T: Debug>(
+    what: &str,
+    r: Result<T>,
+    presented: FencingToken,
+    why: LostLease,
+) {
+    match r {
+        Err(Error::LeaseLost {
+            presented: p,
+            why: w,
+            ..
+        }) => {
+            assert_eq!(
+                p, presented,
+                "{what}: LeaseLost should name the presented token"
+            );
+            assert_eq!(w, why, "{what}: LeaseLost should say what the store found");
+        }
+        other => panic!("{what} should be LeaseLost ({why}), got {other:?}"),
+    }
+}
+
+/// C21: a finishing transition re-sent with the same token after it took effect (a lost reply)
+/// answers `Ok` and changes nothing, whatever the store; with other arguments it is `LeaseLost`
+/// saying the record is no longer in progress; stale tokens are still refused.
+pub async fn c21_replayed_transitions(h: &Harness) {
+    let ns = h.namespace();
+    let store = h.store();
+    let retention = h.config().retention;
+    let not_in = |state: StateKind| LostLease::NotInProgress { state };
+
+    // complete, replayed; then every other finish with this token is refused.
+    let key = h.key(&ns, "replay-complete");
+    let (a, _) = acquired(h, &request(h, &key, A)).await;
+    let result = Bytes::from((0..=255u8).collect::<Vec<u8>>());
+    complete(h, &a, result.clone()).await;
+    let done = get(h, &key).await;
+    for round in 0..2 {
+        store
+            .complete(&a, result.clone(), retention)
+            .await
+            .unwrap_or_else(|e| panic!("C21: complete replayed (round {round}) must be Ok: {e:?}"));
+        assert_unchanged("C21: a replayed complete", &done, &get(h, &key).await);
+    }
+    let mut other = result.to_vec();
+    other[255] = 0;
+    assert_lost_because(
+        "C21 complete with other bytes",
+        store.complete(&a, Bytes::from(other), retention).await,
+        a.token,
+        not_in(StateKind::Completed),
+    );
+    assert_lost_because(
+        "C21 complete with a shorter result",
+        store.complete(&a, result.slice(..255), retention).await,
+        a.token,
+        not_in(StateKind::Completed),
+    );
+    assert_lost_because(
+        "C21 fail after complete",
+        store
+            .fail(&a, "late", FailureKind::Retryable, retention)
+            .await,
+        a.token,
+        not_in(StateKind::Completed),
+    );
+    assert_lost_because(
+        "C21 release after complete",
+        store.release(&a).await,
+        a.token,
+        not_in(StateKind::Completed),
+    );
+    assert_lost_because(
+        "C21 extend after complete",
+        store.extend(&a, h.config().long_lease_ttl).await,
+        a.token,
+        not_in(StateKind::Completed),
+    );
+    assert_unchanged("C21: refused transitions", &done, &get(h, &key).await);
+    assert_eq!(
+        acquire(h, &request(h, &key, B)).await,
+        AcquireOutcome::Replayed { result },
+        "C21: the completion is still replayed"
+    );
+
+    // An empty result replays too (an empty stored value is not "absent").
+    let key = h.key(&ns, "replay-empty");
+    let (a, _) = acquired(h, &request(h, &key, A)).await;
+    complete(h, &a, Bytes::new()).await;
+    store
+        .complete(&a, Bytes::new(), retention)
+        .await
+        .unwrap_or_else(|e| panic!("C21: an empty result replayed must be Ok: {e:?}"));
+    assert_lost_because(
+        "C21 complete with bytes after an empty result",
+        store
+            .complete(&a, Bytes::from_static(b"x"), retention)
+            .await,
+        a.token,
+        not_in(StateKind::Completed),
+    );
+
+    // fail, of every kind, replayed; another text or kind is refused.
+    for kind in FailureKind::ALL {
+        let key = h.key(&ns, &format!("replay-fail-{kind}"));
+        let (a, _) = acquired(h, &request(h, &key, A)).await;
+        let error = format!("declined ({kind})");
+        store
+            .fail(&a, &error, kind, retention)
+            .await
+            .unwrap_or_else(|e| panic!("C21: fail {kind} failed: {e:?}"));
+        let failed = get(h, &key).await;
+        let state = failed.as_ref().map(|r| r.state.clone());
+        assert_eq!(
+            state,
+            Some(RecordState::Failed {
+                error: error.clone(),
+                kind
+            }),
+            "C21: the stored failure keeps its kind"
+        );
+        store
+            .fail(&a, &error, kind, retention)
+            .await
+            .unwrap_or_else(|e| panic!("C21: fail {kind} replayed must be Ok: {e:?}"));
+        assert_unchanged("C21: a replayed fail", &failed, &get(h, &key).await);
+        for other_kind in FailureKind::ALL.into_iter().filter(|k| *k != kind) {
+            assert_lost_because(
+                "C21 fail with another kind",
+                store.fail(&a, &error, other_kind, retention).await,
+                a.token,
+                not_in(StateKind::Failed(kind)),
+            );
+        }
+        assert_lost_because(
+            "C21 fail with another text",
+            store.fail(&a, "declined", kind, retention).await,
+            a.token,
+            not_in(StateKind::Failed(kind)),
+        );
+        assert_lost_because(
+            "C21 complete after fail",
+            store
+                .complete(&a, Bytes::from_static(b"x"), retention)
+                .await,
+            a.token,
+            not_in(StateKind::Failed(kind)),
+        );
+        assert_unchanged("C21: refused transitions", &failed, &get(h, &key).await);
+        if kind != FailureKind::Retryable {
+            assert_eq!(
+                acquire(h, &request(h, &key, B)).await,
+                AcquireOutcome::Failed { error, kind },
+                "C21: a terminal failure is replayed with its kind"
+            );
+        }
+    }
+
+    // release, replayed; after someone else acquires, the replay is stale.
+    let key = h.key(&ns, "replay-release");
+    let (a, _) = acquired(h, &request(h, &key, A)).await;
+    store.release(&a).await.expect("C21: release");
+    let released = get(h, &key).await;
+    store
+        .release(&a)
+        .await
+        .unwrap_or_else(|e| panic!("C21: release replayed must be Ok: {e:?}"));
+    assert_unchanged("C21: a replayed release", &released, &get(h, &key).await);
+    assert_lost_because(
+        "C21 complete after release",
+        store
+            .complete(&a, Bytes::from_static(b"x"), retention)
+            .await,
+        a.token,
+        not_in(StateKind::Released),
+    );
+    let (b, _) = acquired(h, &request(h, &key, B)).await;
+    let before = get(h, &key).await;
+    assert_lost_because(
+        "C21 stale release",
+        store.release(&a).await,
+        a.token,
+        LostLease::Superseded { current: b.token },
+    );
+    assert_unchanged("C21: a stale release", &before, &get(h, &key).await);
+
+    // A replay after the key was retried by someone else is stale, even with the same text.
+    let key = h.key(&ns, "replay-after-retry");
+    let (a, _) = acquired(h, &request(h, &key, A)).await;
+    fail(h, &a, "transient", true).await;
+    let (b, _) = acquired(h, &request(h, &key, B)).await;
+    let before = get(h, &key).await;
+    assert_lost_because(
+        "C21 stale fail replay",
+        store
+            .fail(&a, "transient", FailureKind::Retryable, retention)
+            .await,
+        a.token,
+        LostLease::Superseded { current: b.token },
+    );
+    assert_unchanged("C21: a stale replay", &before, &get(h, &key).await);
+
+    // A replay after the record was deleted finds nothing.
+    let key = h.key(&ns, "replay-after-delete");
+    let (a, _) = acquired(h, &request(h, &key, A)).await;
+    complete(h, &a, "ok").await;
+    assert!(store.delete(&key).await.expect("C21: delete"));
+    assert_lost_because(
+        "C21 replay after delete",
+        store
+            .complete(&a, Bytes::from_static(b"ok"), retention)
+            .await,
+        a.token,
+        LostLease::Gone,
+    );
+    assert_eq!(
+        get(h, &key).await,
+        None,
+        "C21: a refused replay writes nothing"
+    );
+}
+
+/// Every character an error text or owner may hold, in a text of at most `max` bytes: ASCII
+/// controls and punctuation that query languages and scripts treat specially, multi-byte
+/// characters of every UTF-8 length, and code points that normalisation or lossy decoding
+/// would change.
+fn hostile_text(max: usize) -> String {
+    let mut text = String::from(
+        "é€𝄞😀\u{80}\u{9f}\u{a0}\u{ad}\u{200b}\u{200d}\u{2028}\u{2029}\u{feff}\u{fffd}\u{fffe}\
+         \u{ffff}\u{10ffff}e\u{301}Å\u{212b}ﬁ%s%%{}$1\\0'\"`;--",
+    );
+    text.extend((1u8..=0x7f).map(char::from));
+    if text.len() > max {
+        let mut cut = max;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+    }
+    text
+}
+
+/// C22: error texts and owners with every allowed character round-trip exactly; a NUL (which
+/// some stores cannot hold) is refused with `InvalidInput` before anything is written.
+pub async fn c22_text_fidelity(h: &Harness) {
+    let ns = h.namespace();
+    let store = h.store();
+    let retention = h.config().retention;
+    let limits = store.limits();
+
+    // Owners.
+    let owner = hostile_text(idem_core::MAX_OWNER_LEN);
+    let key = h.key(&ns, "owner");
+    let (a, _) = acquired(h, &request(h, &key, &owner)).await;
+    assert_eq!(a.owner, owner, "C22: the lease's owner is exact");
+    assert_eq!(
+        must_get(h, &key).await.owner,
+        owner,
+        "C22: the stored owner is exact"
+    );
+    match acquire(h, &request(h, &key, B)).await {
+        AcquireOutcome::InProgress { owner: busy, .. } => {
+            assert_eq!(busy, owner, "C22: the busy owner is exact")
+        }
+        other => panic!("C22: expected InProgress, got {other:?}"),
+    }
+
+    // Error texts, terminal (replayed by acquire) and retryable (exhausted by acquire).
+    let error = hostile_text(limits.max_error_len);
+    let key = h.key(&ns, "terminal");
+    let (a, _) = acquired(h, &request(h, &key, A)).await;
+    store
+        .fail(&a, &error, FailureKind::Terminal, retention)
+        .await
+        .unwrap_or_else(|e| panic!("C22: fail with every allowed character: {e:?}"));
+    assert_eq!(
+        acquire(h, &request(h, &key, B)).await,
+        AcquireOutcome::Failed {
+            error: error.clone(),
+            kind: FailureKind::Terminal
+        },
+        "C22: a terminal error text round-trips exactly"
+    );
+    let key = h.key(&ns, "exhausted");
+    let (a, _) = acquired(h, &request(h, &key, A).with_max_attempts(1)).await;
+    store
+        .fail(&a, &error, FailureKind::Retryable, retention)
+        .await
+        .unwrap_or_else(|e| panic!("C22: fail with every allowed character: {e:?}"));
+    assert_eq!(
+        acquire(h, &request(h, &key, B).with_max_attempts(1)).await,
+        AcquireOutcome::Exhausted {
+            attempts: 1,
+            last_error: Some(error.clone())
+        },
+        "C22: the last error round-trips exactly"
+    );
+    match must_get(h, &key).await.state {
+        RecordState::Failed { error: stored, .. } => {
+            assert_eq!(stored, error, "C22: get shows the exact error text")
+        }
+        other => panic!("C22: expected a failed record, got {other:?}"),
+    }
+
+    // Multi-byte text exactly at the limit is kept whole.
+    let wide = "€".repeat(limits.max_error_len / 3);
+    let key = h.key(&ns, "at-limit");
+    let (a, _) = acquired(h, &request(h, &key, A)).await;
+    store
+        .fail(&a, &wide, FailureKind::Terminal, retention)
+        .await
+        .unwrap_or_else(|e| panic!("C22: fail at the limit: {e:?}"));
+    assert!(
+        matches!(acquire(h, &request(h, &key, B)).await, AcquireOutcome::Failed { error, .. } if error == wide),
+        "C22: a text at the limit round-trips exactly"
+    );
+
+    // NUL is refused before anything is written, for error texts and owners.
+    let key = h.key(&ns, "nul");
+    let (a, _) = acquired(h, &request(h, &key, A)).await;
+    let before = get(h, &key).await;
+    for text in ["bad\0byte", "\0", "trailing\0"] {
+        for kind in FailureKind::ALL {
+            assert_invalid(
+                "C22 NUL in an error text",
+                store.fail(&a, text, kind, retention).await,
+                "error",
+            );
+            assert_unchanged("C22: a refused error text", &before, &get(h, &key).await);
+        }
+    }
+    complete(h, &a, "still mine").await;
+    let key = h.key(&ns, "nul-owner");
+    assert_invalid(
+        "C22 NUL in an owner",
+        store.acquire(&request(h, &key, "owner\0x")).await,
+        "owner",
+    );
+    assert_eq!(
+        get(h, &key).await,
+        None,
+        "C22: a refused owner writes nothing"
+    );
+}
+
+/// C23: one round trip per acquire (whatever its outcome), per fenced transition (applied,
+/// replayed or refused) and per duplicate, counted by the counter the backend's test supplies
+/// ([`Harness::with_round_trips`]). Each operation runs once first to warm up what a client
+/// loads once per connection (scripts, prepared statements, slot maps).
+pub async fn c23_round_trips(h: &Harness) {
+    match h.round_trips() {
+        Err(why) => panic!("C23: {why}"),
+        Ok(None) => return, // an in-process store: nothing to count
+        Ok(Some(_)) => {}
+    }
+    let ns = h.namespace();
+    let store = h.store();
+    let retention = h.config().retention;
+    let long = h.config().long_lease_ttl;
+
+    // Warm-up: every operation once.
+    let warm = h.key(&ns, "warm-up");
+    let (w, _) = acquired(h, &request(h, &warm, A)).await;
+    store.extend(&w, long).await.expect("C23 warm-up extend");
+    store.release(&w).await.expect("C23 warm-up release");
+    let (w, _) = acquired(h, &request(h, &warm, A)).await;
+    fail(h, &w, "warm", true).await;
+    let (w, _) = acquired(h, &request(h, &warm, A)).await;
+    complete(h, &w, "warm").await;
+    let _ = acquire(h, &request(h, &warm, B)).await;
+
+    let count = || h.round_trips().expect("counter").expect("counted");
+    let mut steps: Vec<(&str, u64)> = Vec::new();
+    macro_rules! step {
+        ($name:expr, $op:expr) => {{
+            let before = count();
+            let out = $op;
+            steps.push(($name, count() - before));
+            out
+        }};
+    }
+
+    let key = h.key(&ns, "counted");
+    let (a, _) = step!("acquire (fresh)", acquired(h, &request(h, &key, A)).await);
+    step!("acquire (busy)", acquire(h, &request(h, &key, B)).await);
+    step!(
+        "acquire (conflict)",
+        acquire(
+            h,
+            &request(h, &key, B).with_fingerprint(Fingerprint::of("other"))
+        )
+        .await
+    );
+    let a = step!("extend", store.extend(&a, long).await.expect("C23 extend"));
+    step!("release", store.release(&a).await.expect("C23 release"));
+    step!(
+        "release (replayed)",
+        store.release(&a).await.expect("C23 replay")
+    );
+    let (b, _) = step!(
+        "acquire (after release)",
+        acquired(h, &request(h, &key, B)).await
+    );
+    step!("fail", fail(h, &b, "transient", true).await);
+    step!(
+        "fail (replayed)",
+        store
+            .fail(&b, "transient", FailureKind::Retryable, retention)
+            .await
+            .expect("C23 replay")
+    );
+    let (c, _) = step!("acquire (retry)", acquired(h, &request(h, &key, C)).await);
+    step!(
+        "complete (stale, refused)",
+        store
+            .complete(&b, Bytes::from_static(b"zombie"), retention)
+            .await
+            .expect_err("C23 stale complete")
+    );
+    step!("complete", complete(h, &c, "done").await);
+    step!(
+        "complete (replayed)",
+        store
+            .complete(&c, Bytes::from_static(b"done"), retention)
+            .await
+            .expect("C23 replay")
+    );
+    step!(
+        "acquire (duplicate)",
+        acquire(h, &request(h, &key, A)).await
+    );
+
+    let wrong: Vec<_> = steps.iter().filter(|(_, n)| *n != 1).collect();
+    assert!(
+        wrong.is_empty(),
+        "C23: every operation must take exactly one round trip; these did not: {wrong:?} \
+         (all: {steps:?})"
+    );
+}
+
+/// An outcome with what differs between two equivalent runs taken out (tokens, times).
+fn shape(r: &Result<AcquireOutcome>) -> String {
+    match r {
+        Ok(AcquireOutcome::Acquired { lease, takeover }) => format!(
+            "Acquired(attempt {}, takeover {takeover}, owner {})",
+            lease.attempt, lease.owner
+        ),
+        Ok(AcquireOutcome::InProgress { owner, .. }) => format!("InProgress({owner})"),
+        Ok(other) => format!("{other:?}"),
+        Err(Error::InvalidInput { field, .. }) => format!("InvalidInput({field})"),
+        Err(Error::LeaseLost { why, .. }) => match why {
+            LostLease::Superseded { .. } => "LeaseLost(superseded)".to_owned(),
+            other => format!("LeaseLost({other})"),
+        },
+        Err(e) => format!("Err({e})"),
+    }
+}
+
+fn record_shape(r: &Option<Record>) -> String {
+    match r {
+        None => "none".to_owned(),
+        Some(r) => format!("{:?} attempts {} owner {}", r.state, r.attempts, r.owner),
+    }
+}
+
+/// Builds the C24 mix in `ns`: one key per case, in the same state in every namespace.
+async fn c24_setup(h: &Harness, ns: &Namespace) {
+    let store = h.store();
+    let key = |id: &str| h.key(ns, id);
+    let (l, _) = acquired(h, &request(h, &key("duplicate"), A)).await;
+    complete(h, &l, "stored").await;
+    acquired(h, &request(h, &key("busy"), B)).await;
+    let (l, _) = acquired(h, &request(h, &key("conflict"), A)).await;
+    complete(h, &l, "x").await;
+    let (l, _) = acquired(h, &request(h, &key("exhausted"), A).with_max_attempts(1)).await;
+    fail(h, &l, "gave up", true).await;
+    let (l, _) = acquired(h, &request(h, &key("failed"), A)).await;
+    fail(h, &l, "declined", false).await;
+    let (l, _) = acquired(h, &request(h, &key("retry"), A)).await;
+    fail(h, &l, "transient", true).await;
+    let (l, _) = acquired(h, &request(h, &key("released"), A)).await;
+    store.release(&l).await.expect("C24: release");
+}
+
+/// The C24 batch: every case, an invalid request, and one key twice.
+fn c24_requests(h: &Harness, ns: &Namespace) -> Vec<AcquireRequest> {
+    let key = |id: &str| h.key(ns, id);
+    vec![
+        request(h, &key("fresh"), C),
+        request(h, &key("duplicate"), C),
+        request(h, &key("busy"), C),
+        request(h, &key("conflict"), C).with_fingerprint(Fingerprint::of("another payload")),
+        request(h, &key("exhausted"), C).with_max_attempts(1),
+        request(h, &key("failed"), C),
+        request(h, &key("retry"), C),
+        request(h, &key("released"), C),
+        request(h, &key("bad"), ""),
+        request(h, &key("twice"), C),
+        request(h, &key("twice"), C),
+    ]
+}
+
+/// C24: batches give exactly the single-call outcomes, in order (a mixed batch of fresh,
+/// duplicate, busy, conflict, exhausted, failed, retried, released, invalid and repeated keys,
+/// then completions, failures and releases with live and stale leases); an oversized batch is
+/// refused before anything is written; and concurrent batches racing over the same keys still
+/// have one winner per key.
+pub async fn c24_batches_equal_singles(h: &Harness) {
+    let store = h.store();
+    let retention = h.config().retention;
+    let (batch_ns, single_ns) = (h.namespace(), h.namespace());
+    c24_setup(h, &batch_ns).await;
+    c24_setup(h, &single_ns).await;
+
+    let reqs = c24_requests(h, &batch_ns);
+    let batch = store
+        .acquire_many(&reqs)
+        .await
+        .unwrap_or_else(|e| panic!("C24: acquire_many failed: {e:?}"));
+    assert_eq!(batch.len(), reqs.len(), "C24: one outcome per request");
+    let mut singles = Vec::new();
+    for req in c24_requests(h, &single_ns) {
+        singles.push(store.acquire(&req).await);
+    }
+    let got: Vec<_> = batch.iter().map(shape).collect();
+    let want: Vec<_> = singles.iter().map(shape).collect();
+    assert_eq!(
+        got, want,
+        "C24: acquire_many must give the single-call outcomes, in order"
+    );
+    for id in [
+        "fresh",
+        "duplicate",
+        "busy",
+        "exhausted",
+        "retry",
+        "released",
+        "twice",
+        "bad",
+    ] {
+        assert_eq!(
+            record_shape(&get(h, &h.key(&batch_ns, id)).await),
+            record_shape(&get(h, &h.key(&single_ns, id)).await),
+            "C24: after acquire_many, {id} must be as after the single calls"
+        );
+    }
+
+    // Finishing in batches: live leases, a stale one, a repeated one.
+    let leases = |outcomes: &[Result<AcquireOutcome>]| -> Vec<Lease> {
+        outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Ok(AcquireOutcome::Acquired { lease, .. }) => Some(lease.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    let (batch_leases, single_leases) = (leases(&batch), leases(&singles));
+    assert!(
+        batch_leases.len() >= 3,
+        "C24: the mix acquires fresh, retry, released and twice"
+    );
+    let stale = |lease: &Lease| Lease {
+        token: FencingToken::new(lease.token.get().saturating_sub(1)),
+        ..lease.clone()
+    };
+    let finish_mix = |ls: &[Lease]| {
+        let completions = vec![
+            completion(&ls[0], "done"),
+            completion(&ls[0], "done"),
+            completion(&stale(&ls[1]), "zombie"),
+        ];
+        let failures = vec![idem_core::Failure::new(
+            ls[1].clone(),
+            "boom",
+            FailureKind::Terminal,
+        )];
+        let releases = vec![ls[2].clone(), ls[2].clone(), stale(&ls[0])];
+        (completions, failures, releases)
+    };
+    let (bc, bf, br) = finish_mix(&batch_leases);
+    let (sc, sf, sr) = finish_mix(&single_leases);
+    let batch_done = [
+        store.complete_many(&bc, retention).await,
+        store.fail_many(&bf, retention).await,
+        store.release_many(&br).await,
+    ];
+    let mut single_done = Vec::new();
+    for c in &sc {
+        single_done.push(store.complete(&c.lease, c.result.clone(), retention).await);
+    }
+    for f in &sf {
+        single_done.push(store.fail(&f.lease, &f.error, f.kind, retention).await);
+    }
+    for l in &sr {
+        single_done.push(store.release(l).await);
+    }
+    let batch_done: Vec<_> = batch_done
+        .into_iter()
+        .flat_map(|r| r.unwrap_or_else(|e| panic!("C24: a finishing batch failed: {e:?}")))
+        .map(|r| shape(&r.map(|()| AcquireOutcome::Conflict)))
+        .collect();
+    let single_done: Vec<_> = single_done
+        .into_iter()
+        .map(|r| shape(&r.map(|()| AcquireOutcome::Conflict)))
+        .collect();
+    assert_eq!(
+        batch_done, single_done,
+        "C24: complete_many / fail_many / release_many must give the single-call results, in order"
+    );
+    for id in ["fresh", "retry", "released", "twice"] {
+        assert_eq!(
+            record_shape(&get(h, &h.key(&batch_ns, id)).await),
+            record_shape(&get(h, &h.key(&single_ns, id)).await),
+            "C24: after the finishing batches, {id} must be as after the single calls"
+        );
+    }
+
+    // Oversized: refused whole, nothing written.
+    let max = store.limits().max_batch;
+    let over_ns = h.namespace();
+    let over: Vec<_> = (0..=max)
+        .map(|i| request(h, &h.key(&over_ns, &format!("k{i}")), A))
+        .collect();
+    assert_invalid(
+        "C24 oversized batch",
+        store.acquire_many(&over).await,
+        "batch",
+    );
+    assert_eq!(
+        get(h, &over[0].key).await,
+        None,
+        "C24: an oversized batch writes nothing"
+    );
+
+    // Concurrent batches over the same keys, in different orders: one winner per key.
+    const RACERS: usize = 8;
+    let race_ns = h.namespace();
+    let keys: Vec<_> = (0..20.min(max))
+        .map(|i| h.key(&race_ns, &format!("race-{i}")))
+        .collect();
+    let barrier = Arc::new(tokio::sync::Barrier::new(RACERS));
+    let tasks: Vec<_> = (0..RACERS)
+        .map(|i| {
+            let store = store.clone();
+            let barrier = barrier.clone();
+            let mut reqs: Vec<_> = keys
+                .iter()
+                .map(|k| request(h, k, &format!("racer-{i}")))
+                .collect();
+            reqs.rotate_left(i * 3 % keys.len().max(1));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.acquire_many(&reqs).await
+            })
+        })
+        .collect();
+    let mut winners: HashMap<String, usize> = HashMap::new();
+    for task in tasks {
+        let outcomes = task
+            .await
+            .expect("racer")
+            .expect("C24: a racing batch failed");
+        for o in outcomes {
+            if let Ok(AcquireOutcome::Acquired { lease, .. }) = o {
+                *winners.entry(lease.key.id().to_owned()).or_default() += 1;
+            }
+        }
+    }
+    for key in &keys {
+        assert_eq!(
+            winners.get(key.id()).copied(),
+            Some(1),
+            "C24: racing batches must have exactly one winner for {key}"
+        );
+    }
+}
+
+fn completion(lease: &Lease, result: &'static str) -> idem_core::Completion {
+    idem_core::Completion::new(lease.clone(), Bytes::from_static(result.as_bytes()))
+}
+
+/// Every page of a listing, following the cursors (bounded, so a store that never ends fails).
+async fn list_all(h: &Harness, query: ListQuery) -> Vec<Record> {
+    let mut query = query;
+    let mut records = Vec::new();
+    for _ in 0..10_000 {
+        let page = h
+            .store()
+            .list(&query)
+            .await
+            .unwrap_or_else(|e| panic!("C26: list failed: {e:?}"));
+        assert!(
+            page.records.len() <= query.limit,
+            "C26: a page holds at most the limit ({} > {})",
+            page.records.len(),
+            query.limit
+        );
+        records.extend(page.records);
+        match page.next {
+            None => return records,
+            next => query = query.with_cursor(next),
+        }
+    }
+    panic!("C26: the listing did not end after 10,000 pages");
+}
+
+fn ids(records: &[Record]) -> std::collections::BTreeSet<String> {
+    records.iter().map(|r| r.key.id().to_owned()).collect()
+}
+
+/// C26: records are found by namespace, status, age and owner, paged: stuck leases, exhausted
+/// and failed records show up under their status; another namespace never does; records past
+/// retention are never listed.
+pub async fn c26_listing(h: &Harness) {
+    let ns = h.namespace();
+    let other = h.namespace();
+    let store = h.store();
+    let key = |id: &str| h.key(&ns, id);
+
+    // Old records first: they age while the lease below expires.
+    let (l, _) = acquired(h, &short_request(h, &key("lease-expired"), B)).await;
+    let _ = l;
+    for _ in 0..5 {
+        let (l, _) = acquired(h, &request(h, &key("exhausted"), A)).await;
+        fail(h, &l, "poison", true).await;
+    }
+    let (l, _) = acquired(h, &request(h, &key("expired"), A)).await;
+    h.store()
+        .complete(&l, Bytes::from_static(b"gone"), h.config().short_retention)
+        .await
+        .expect("C26: complete");
+    h.config()
+        .time
+        .pass(h.config().short_retention.max(h.config().lease_ttl))
+        .await;
+    let aged = h.config().short_retention.max(h.config().lease_ttl);
+
+    acquired(h, &request(h, &key("in-progress"), A)).await;
+    let (l, _) = acquired(h, &request(h, &key("released"), A)).await;
+    store.release(&l).await.expect("C26: release");
+    let (l, _) = acquired(h, &request(h, &key("completed"), A)).await;
+    complete(h, &l, "done").await;
+    let (l, _) = acquired(h, &request(h, &key("failed-retryable"), A)).await;
+    fail(h, &l, "transient", true).await;
+    let (l, _) = acquired(h, &request(h, &key("failed-terminal"), A)).await;
+    fail(h, &l, "declined", false).await;
+    let (l, _) = acquired(h, &request(h, &key("not-stored"), A)).await;
+    store
+        .fail(
+            &l,
+            "too large",
+            FailureKind::ResultNotStored,
+            h.config().retention,
+        )
+        .await
+        .expect("C26: fail");
+    let (l, _) = acquired(h, &request(h, &h.key(&other, "elsewhere"), A)).await;
+    complete(h, &l, "other namespace").await;
+
+    let expected = [
+        ("in-progress", Status::InProgress),
+        ("lease-expired", Status::LeaseExpired),
+        ("released", Status::Released),
+        ("completed", Status::Completed),
+        ("failed-retryable", Status::FailedRetryable),
+        ("failed-terminal", Status::FailedTerminal),
+        ("not-stored", Status::ResultNotStored),
+        ("exhausted", Status::Exhausted),
+    ];
+    // Everything, in small pages.
+    let all = list_all(
+        h,
+        ListQuery::new(ns.clone())
+            .with_limit(3)
+            .with_max_attempts(5),
+    )
+    .await;
+    let want: std::collections::BTreeSet<String> =
+        expected.iter().map(|(id, _)| (*id).to_owned()).collect();
+    assert_eq!(
+        ids(&all),
+        want,
+        "C26: every live record of the namespace, and nothing else"
+    );
+    for record in &all {
+        assert_eq!(record.key.namespace(), &ns, "C26: another namespace listed");
+        assert_eq!(
+            get(h, &record.key).await.as_ref(),
+            Some(record),
+            "C26: a listed record is the record get shows"
+        );
+    }
+    // One status at a time.
+    for (id, status) in expected {
+        let found = list_all(h, ListQuery::new(ns.clone()).with_statuses([status])).await;
+        assert_eq!(
+            ids(&found),
+            [id.to_owned()].into(),
+            "C26: listing {status} must find exactly {id}"
+        );
+    }
+    // Several statuses: what an operator asks at 3 a.m.
+    let stuck = list_all(
+        h,
+        ListQuery::new(ns.clone()).with_statuses([Status::LeaseExpired, Status::Exhausted]),
+    )
+    .await;
+    assert_eq!(
+        ids(&stuck),
+        ["exhausted".to_owned(), "lease-expired".to_owned()].into(),
+        "C26: stuck and exhausted records"
+    );
+    // Age and owner.
+    let old = list_all(h, ListQuery::new(ns.clone()).with_min_age(aged)).await;
+    assert_eq!(
+        ids(&old),
+        ["exhausted".to_owned(), "lease-expired".to_owned()].into(),
+        "C26: only the records unchanged for {aged:?}"
+    );
+    let by_b = list_all(h, ListQuery::new(ns.clone()).with_owner(B)).await;
+    assert_eq!(
+        ids(&by_b),
+        ["lease-expired".to_owned()].into(),
+        "C26: by owner"
+    );
+
+    // Paging over more records than a page.
+    let many = h.namespace();
+    for i in 0..25 {
+        let (l, _) = acquired(h, &request(h, &h.key(&many, &format!("m{i:02}")), A)).await;
+        complete(h, &l, "m").await;
+    }
+    let paged = list_all(h, ListQuery::new(many.clone()).with_limit(10)).await;
+    assert_eq!(ids(&paged).len(), 25, "C26: paging finds all 25 records");
+    assert!(paged.len() >= 25);
+
+    // Bad queries.
+    assert_invalid(
+        "C26 zero limit",
+        store.list(&ListQuery::new(ns.clone()).with_limit(0)).await,
+        "limit",
+    );
+    assert_invalid(
+        "C26 limit over the maximum",
+        store
+            .list(&ListQuery::new(ns.clone()).with_limit(idem_core::MAX_PAGE + 1))
+            .await,
+        "limit",
+    );
 }

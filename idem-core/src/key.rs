@@ -83,6 +83,23 @@ impl fmt::Debug for Namespace {
 /// PostgreSQL cannot store in text). Quotes, `%`, `*`, `{}`, `:`, whitespace, newlines and
 /// non-ASCII characters are all allowed and stay distinct: backends pass ids as parameters and
 /// never interpret them.
+///
+/// # Display, and what to pass downstream
+///
+/// `Display` writes `namespace:id`. Since a namespace cannot contain `:`, the text is
+/// unambiguous: two different keys never display the same. It is the value to give a payment
+/// provider (or any downstream API) as *its* idempotency key, so that a retry of the same work
+/// after a takeover is deduplicated by the provider too. Send the lease's
+/// [`FencingToken`](crate::FencingToken) with it where the downstream system can fence (keep the
+/// highest token seen per key, refuse lower ones): the key makes the provider's retry idempotent,
+/// the token stops a worker that lost its lease from writing at all.
+///
+/// ```
+/// # use idem_core::Namespace;
+/// let key = Namespace::new("payments")?.key("charge-1001")?;
+/// assert_eq!(key.to_string(), "payments:charge-1001");
+/// # Ok::<(), idem_core::Error>(())
+/// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct IdempotencyKey {
     namespace: Namespace,
@@ -126,6 +143,7 @@ impl IdempotencyKey {
     }
 }
 
+/// `namespace:id`: unambiguous, since a namespace never contains `:` (see the type's docs).
 impl fmt::Display for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}", self.namespace, self.id)

@@ -1,14 +1,11 @@
-//! The core of `idem`: the vocabulary, the store contract, the state machine and the in-memory
-//! reference store.
-//!
-//! Users depend on the `idem` facade; backend authors implement [`IdempotencyStore`] and run the
-//! `idem-conformance` suite against it.
+#![doc = include_str!("../README.md")]
 
 mod clock;
 mod error;
-pub mod executor;
 mod fingerprint;
 mod key;
+pub mod kit;
+mod list;
 pub mod machine;
 mod memory;
 mod record;
@@ -16,17 +13,15 @@ mod store;
 
 pub use bytes::Bytes;
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use error::{BoxError, Error, Result};
-pub use executor::{
-    BrokerAction, ConfigError, Executor, ExecutorBuilder, ExecutorConfig, ExecutorError,
-    HandlerContext, HandlerError, KeySource, Message, Outcome, RawMessage,
-};
+pub use error::{BoxError, Error, LostLease, Result, TimedOut};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, MAX_ID_LEN, MAX_NAMESPACE_LEN, Namespace};
-pub use memory::{MemoryStore, SimulatedOutage};
+pub use list::{Cursor, ListQuery, MAX_PAGE, Page, Status};
+pub use memory::{MAX_MEMORY_WRITES, MemoryStore, MemoryWrites, SimulatedOutage};
 pub use record::{
-    AcquireOutcome, AcquireRequest, DEFAULT_MAX_ERROR_LEN, DEFAULT_MAX_RESULT_LEN, FencingToken,
-    Lease, Limits, MAX_LEASE_TTL, MAX_OWNER_LEN, MAX_RETENTION, Record, RecordState,
-    check_lease_ttl, check_owner, check_retention,
+    AcquireOutcome, AcquireRequest, Completion, DEFAULT_MAX_BATCH, DEFAULT_MAX_ERROR_LEN,
+    DEFAULT_MAX_RESULT_LEN, Failure, FailureKind, FencingToken, Lease, Limits, MAX_LEASE_TTL,
+    MAX_OWNER_LEN, MAX_RETENTION, Record, RecordState, StateKind, check_lease_ttl, check_owner,
+    check_retention, fit_text,
 };
-pub use store::{DynStore, IdempotencyStore};
+pub use store::{DynStore, IdempotencyStore, TransactionalStore};

@@ -9,7 +9,9 @@
 use std::time::{Duration, SystemTime};
 
 use crate::error::{Error, Result};
-use crate::record::{AcquireOutcome, AcquireRequest, FencingToken, Lease, Record, RecordState};
+use crate::record::{
+    AcquireOutcome, AcquireRequest, FailureKind, FencingToken, Lease, Record, RecordState,
+};
 
 /// What an acquire decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,7 +108,7 @@ pub fn acquire(
             result: result.clone(),
         }),
         RecordState::Failed {
-            retryable: true,
+            kind: FailureKind::Retryable,
             error,
         } => {
             if record.attempts < req.max_attempts {
@@ -115,11 +117,9 @@ pub fn acquire(
                 exhausted(Some(error.clone()))
             }
         }
-        RecordState::Failed {
-            retryable: false,
-            error,
-        } => AcquireDecision::Keep(AcquireOutcome::Failed {
+        RecordState::Failed { error, kind } => AcquireDecision::Keep(AcquireOutcome::Failed {
             error: error.clone(),
+            kind: *kind,
         }),
     }
 }
@@ -138,7 +138,7 @@ fn new_lease(req: &AcquireRequest, token: FencingToken, attempt: u32, now: Syste
 /// retention, is in progress and carries the lease's token.
 ///
 /// # Errors
-/// [`Error::LeaseLost`] otherwise.
+/// [`Error::LeaseLost`] otherwise, saying what was found ([`lost`]).
 pub fn check_fence<'r>(
     existing: Option<&'r mut Record>,
     lease: &Lease,
@@ -152,12 +152,17 @@ pub fn check_fence<'r>(
         {
             Ok(record)
         }
-        other => Err(Error::LeaseLost {
-            key: lease.key.clone(),
-            presented: lease.token,
-            current: other.filter(|r| !r.is_expired(now)).map(|r| r.token),
-        }),
+        other => Err(lost(other.map(|r| &*r), lease, now)),
     }
+}
+
+/// The [`Error::LeaseLost`] for a refused transition of `lease`, given the stored record
+/// (records past retention count as absent).
+pub fn lost(existing: Option<&Record>, lease: &Lease, now: SystemTime) -> Error {
+    let found = existing
+        .filter(|r| !r.is_expired(now))
+        .map(|r| (r.token, r.state.kind()));
+    Error::lease_lost(lease, found)
 }
 
 /// Applies a heartbeat to a record that passed [`check_fence`]; returns the extended lease.
@@ -171,37 +176,120 @@ pub fn extend(record: &mut Record, lease: &Lease, ttl: Duration, now: SystemTime
     }
 }
 
-/// Applies a completion to a record that passed [`check_fence`].
-pub fn complete(record: &mut Record, result: bytes::Bytes, retention: Duration, now: SystemTime) {
-    record.state = RecordState::Completed { result };
-    finish(record, retention, now);
+/// A fenced transition that finishes an acquisition, with its arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Finish<'a> {
+    /// `complete(lease, result, retention)`.
+    Complete {
+        /// The result to store.
+        result: &'a bytes::Bytes,
+        /// How long to keep the record.
+        retention: Duration,
+    },
+    /// `fail(lease, error, kind, retention)`.
+    Fail {
+        /// The error text to store.
+        error: &'a str,
+        /// How the attempt failed.
+        kind: FailureKind,
+        /// How long to keep the record.
+        retention: Duration,
+    },
+    /// `release(lease)`.
+    Release,
 }
 
-/// Applies a failure to a record that passed [`check_fence`].
-pub fn fail(
-    record: &mut Record,
-    error: &str,
-    retryable: bool,
-    retention: Duration,
+impl Finish<'_> {
+    /// Whether `record`, carrying the caller's token, is exactly what this transition leaves
+    /// behind: the same result bytes, the same error and kind, or released. A transition
+    /// re-sent after it took effect (a lost reply) then answers `Ok` and changes nothing.
+    pub fn is_done_in(&self, record: &Record) -> bool {
+        match (self, &record.state) {
+            (Self::Complete { result, .. }, RecordState::Completed { result: stored }) => {
+                stored == *result
+            }
+            (
+                Self::Fail { error, kind, .. },
+                RecordState::Failed {
+                    error: stored,
+                    kind: stored_kind,
+                },
+            ) => stored == error && stored_kind == kind,
+            (Self::Release, RecordState::Released) => true,
+            _ => false,
+        }
+    }
+}
+
+/// What a [`finish`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Finished {
+    /// The record changed and must be stored.
+    Applied,
+    /// The same transition had already finished the record with this token (a re-send after a
+    /// lost reply): nothing changed and nothing needs storing; the caller answers `Ok`.
+    Replayed,
+}
+
+/// Runs a finishing transition (section "Fenced transitions" of the contract, with the v2 replay
+/// rule): on the caller's live record it applies `how`; on a record the same transition already
+/// finished with the caller's token it changes nothing and answers [`Finished::Replayed`].
+///
+/// # Errors
+/// [`Error::LeaseLost`] in every other case, saying what was found.
+pub fn finish(
+    existing: Option<&mut Record>,
+    lease: &Lease,
+    how: Finish<'_>,
     now: SystemTime,
-) {
-    record.state = RecordState::Failed {
-        error: error.to_owned(),
-        retryable,
+) -> Result<Finished> {
+    let Some(record) = existing.filter(|r| !r.is_expired(now)) else {
+        return Err(Error::lease_lost(lease, None));
     };
-    finish(record, retention, now);
+    if record.token == lease.token {
+        if record.state == RecordState::InProgress {
+            apply_finish(record, how, now);
+            return Ok(Finished::Applied);
+        }
+        if how.is_done_in(record) {
+            return Ok(Finished::Replayed);
+        }
+    }
+    Err(lost(Some(record), lease, now))
 }
 
-fn finish(record: &mut Record, retention: Duration, now: SystemTime) {
+fn apply_finish(record: &mut Record, how: Finish<'_>, now: SystemTime) {
+    match how {
+        Finish::Complete { result, retention } => {
+            record.state = RecordState::Completed {
+                result: result.clone(),
+            };
+            finish_at(record, retention, now);
+        }
+        Finish::Fail {
+            error,
+            kind,
+            retention,
+        } => {
+            record.state = RecordState::Failed {
+                error: error.to_owned(),
+                kind,
+            };
+            finish_at(record, retention, now);
+        }
+        Finish::Release => {
+            record.state = RecordState::Released;
+            record.attempts = record.attempts.saturating_sub(1);
+            record.lease_expires_at = None;
+            record.updated_at = now;
+        }
+    }
+}
+
+fn finish_at(record: &mut Record, retention: Duration, now: SystemTime) {
     record.lease_expires_at = None;
     record.updated_at = now;
     record.expires_at = Some(now + retention);
-}
-
-/// Applies a release to a record that passed [`check_fence`]: the attempt is not counted.
-pub fn release(record: &mut Record, now: SystemTime) {
-    record.state = RecordState::Released;
-    record.attempts = record.attempts.saturating_sub(1);
-    record.lease_expires_at = None;
-    record.updated_at = now;
 }

@@ -12,14 +12,70 @@ use bytes::Bytes;
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, Result};
 use crate::key::IdempotencyKey;
-use crate::machine::{self, AcquireDecision};
+use crate::list::{Cursor, ListQuery, Page};
+use crate::machine::{self, AcquireDecision, Finish};
 use crate::record::{
-    AcquireOutcome, AcquireRequest, FencingToken, Lease, Limits, Record, check_lease_ttl,
-    check_retention,
+    AcquireOutcome, AcquireRequest, FailureKind, FencingToken, Lease, Limits, Record,
+    check_lease_ttl,
 };
 use crate::store::IdempotencyStore;
 
 const SHARDS: usize = 64;
+
+/// Most writes one [`MemoryWrites`] may carry (the same order of size as DynamoDB's 99).
+pub const MAX_MEMORY_WRITES: usize = 100;
+
+/// The writes a handler commits with its completion on a [`MemoryStore`]
+/// ([`TransactionalStore`](crate::TransactionalStore)): puts, deletes and compare conditions
+/// on the store's effect map, a stand-in for a real database's rows that tests and examples
+/// read back with [`MemoryStore::effect`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemoryWrites {
+    ops: Vec<MemoryWrite>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum MemoryWrite {
+    Put(String, Bytes),
+    Delete(String),
+    Expect(String, Option<Bytes>),
+}
+
+impl MemoryWrites {
+    /// No writes.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets `key` to `value`.
+    pub fn put(mut self, key: impl Into<String>, value: impl Into<Bytes>) -> Self {
+        self.ops.push(MemoryWrite::Put(key.into(), value.into()));
+        self
+    }
+
+    /// Removes `key`.
+    pub fn delete(mut self, key: impl Into<String>) -> Self {
+        self.ops.push(MemoryWrite::Delete(key.into()));
+        self
+    }
+
+    /// A condition: `key` must hold `value` (`None`: must be absent) when the writes apply, or
+    /// the whole completion is refused with [`Error::EffectRefused`].
+    pub fn expect(mut self, key: impl Into<String>, value: Option<Bytes>) -> Self {
+        self.ops.push(MemoryWrite::Expect(key.into(), value));
+        self
+    }
+
+    /// How many writes and conditions there are.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+}
 
 /// The error inside [`Error::Unavailable`] while a [`MemoryStore`] simulates an outage.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +109,7 @@ struct Inner {
     tokens: AtomicU64,
     limits: Limits,
     available: AtomicBool,
+    effects: Mutex<HashMap<String, Bytes>>,
 }
 
 impl Default for MemoryStore {
@@ -82,6 +139,7 @@ impl MemoryStore {
                 tokens: AtomicU64::new(0),
                 limits,
                 available: AtomicBool::new(true),
+                effects: Mutex::default(),
             }),
         }
     }
@@ -94,6 +152,22 @@ impl MemoryStore {
     /// Number of records held, including expired ones not yet purged.
     pub fn len(&self) -> usize {
         self.inner.shards.iter().map(|s| lock(s).len()).sum()
+    }
+
+    /// The value a [`MemoryWrites`] committed at `key`, if any.
+    pub fn effect(&self, key: &str) -> Option<Bytes> {
+        lock(&self.inner.effects).get(key).cloned()
+    }
+
+    /// Every effect key that starts with `prefix`, with its value, in key order.
+    pub fn effects_with_prefix(&self, prefix: &str) -> Vec<(String, Bytes)> {
+        let mut found: Vec<_> = lock(&self.inner.effects)
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        found.sort();
+        found
     }
 
     /// Whether the store holds no record.
@@ -120,15 +194,10 @@ impl MemoryStore {
         FencingToken::new(self.inner.tokens.fetch_add(1, Ordering::SeqCst) + 1)
     }
 
-    fn fenced<T>(
-        &self,
-        lease: &Lease,
-        apply: impl FnOnce(&mut Record, SystemTime) -> T,
-    ) -> Result<T> {
+    fn finish(&self, lease: &Lease, how: Finish<'_>) -> Result<()> {
         let mut shard = self.shard(&lease.key)?;
         let now = self.now();
-        let record = machine::check_fence(shard.get_mut(&lease.key), lease, now)?;
-        Ok(apply(record, now))
+        machine::finish(shard.get_mut(&lease.key), lease, how, now).map(drop)
     }
 }
 
@@ -163,35 +232,43 @@ impl IdempotencyStore for MemoryStore {
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease> {
         check_lease_ttl(ttl)?;
-        self.fenced(lease, |record, now| {
-            machine::extend(record, lease, ttl, now)
-        })
+        let mut shard = self.shard(&lease.key)?;
+        let now = self.now();
+        let record = machine::check_fence(shard.get_mut(&lease.key), lease, now)?;
+        Ok(machine::extend(record, lease, ttl, now))
     }
 
     async fn complete(&self, lease: &Lease, result: Bytes, retention: Duration) -> Result<()> {
-        check_retention(retention)?;
-        self.inner.limits.check_result(&result)?;
-        self.fenced(lease, |record, now| {
-            machine::complete(record, result, retention, now)
-        })
+        self.inner.limits.check_complete(&result, retention)?;
+        self.finish(
+            lease,
+            Finish::Complete {
+                result: &result,
+                retention,
+            },
+        )
     }
 
     async fn fail(
         &self,
         lease: &Lease,
         error: &str,
-        retryable: bool,
+        kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        check_retention(retention)?;
-        self.inner.limits.check_error(error)?;
-        self.fenced(lease, |record, now| {
-            machine::fail(record, error, retryable, retention, now)
-        })
+        self.inner.limits.check_fail(error, retention)?;
+        self.finish(
+            lease,
+            Finish::Fail {
+                error,
+                kind,
+                retention,
+            },
+        )
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
-        self.fenced(lease, machine::release)
+        self.finish(lease, Finish::Release)
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>> {
@@ -204,6 +281,42 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(key)?;
         let now = self.now();
         Ok(shard.remove(key).is_some_and(|r| !r.is_expired(now)))
+    }
+
+    /// Scans every shard for the namespace (O(records held)), sorted by id; the cursor is the
+    /// last id returned, hex-encoded.
+    async fn list(&self, query: &ListQuery) -> Result<Page> {
+        query.validate()?;
+        if !self.inner.available.load(Ordering::SeqCst) {
+            return Err(Error::unavailable("memory", SimulatedOutage));
+        }
+        let after = match &query.cursor {
+            None => None,
+            Some(c) => Some(
+                hex::decode(c.as_str())
+                    .ok()
+                    .and_then(|b| String::from_utf8(b).ok())
+                    .ok_or_else(|| Error::invalid("cursor", "is not a cursor of this store"))?,
+            ),
+        };
+        let now = self.now();
+        let mut found: Vec<Record> = Vec::new();
+        for shard in self.inner.shards.iter() {
+            found.extend(
+                lock(shard)
+                    .values()
+                    .filter(|r| r.key.namespace() == &query.namespace)
+                    .filter(|r| after.as_deref().is_none_or(|a| r.key.id() > a))
+                    .filter(|r| !r.is_expired(now) && query.matches(r, now))
+                    .cloned(),
+            );
+        }
+        found.sort_by(|a, b| a.key.id().cmp(b.key.id()));
+        let next = (found.len() > query.limit).then(|| {
+            found.truncate(query.limit);
+            Cursor::new(hex::encode(found[query.limit - 1].key.id()))
+        });
+        Ok(Page::new(found, next))
     }
 
     async fn purge_expired(&self, limit: usize) -> Result<u64> {
@@ -229,5 +342,71 @@ impl IdempotencyStore for MemoryStore {
             }
         }
         Ok(purged as u64)
+    }
+}
+
+#[async_trait]
+impl crate::store::TransactionalStore for MemoryStore {
+    type Writes = MemoryWrites;
+
+    async fn complete_with(
+        &self,
+        lease: &Lease,
+        result: Bytes,
+        retention: Duration,
+        writes: MemoryWrites,
+    ) -> Result<()> {
+        self.inner.limits.check_complete(&result, retention)?;
+        if writes.len() > MAX_MEMORY_WRITES {
+            return Err(Error::invalid(
+                "writes",
+                format!(
+                    "{} writes, the most one completion carries is {MAX_MEMORY_WRITES}",
+                    writes.len()
+                ),
+            ));
+        }
+        // Lock order: the record's shard, then the effects.
+        let mut shard = self.shard(&lease.key)?;
+        let now = self.now();
+        let record = shard.get_mut(&lease.key);
+        let how = Finish::Complete {
+            result: &result,
+            retention,
+        };
+        let live = record.as_deref().is_some_and(|r| {
+            !r.is_expired(now)
+                && r.token == lease.token
+                && r.state == crate::RecordState::InProgress
+        });
+        if !live {
+            // A replay answers Ok without applying the writes again; anything else is refused.
+            return machine::finish(record, lease, how, now).map(drop);
+        }
+        let mut effects = lock(&self.inner.effects);
+        for (index, op) in writes.ops.iter().enumerate() {
+            if let MemoryWrite::Expect(key, want) = op
+                && effects.get(key) != want.as_ref()
+            {
+                return Err(Error::EffectRefused {
+                    store: "memory",
+                    index,
+                    reason: format!("condition on {key:?} failed"),
+                });
+            }
+        }
+        machine::finish(record, lease, how, now)?;
+        for op in writes.ops {
+            match op {
+                MemoryWrite::Put(key, value) => {
+                    effects.insert(key, value);
+                }
+                MemoryWrite::Delete(key) => {
+                    effects.remove(&key);
+                }
+                MemoryWrite::Expect(..) => {}
+            }
+        }
+        Ok(())
     }
 }

@@ -19,6 +19,8 @@ pub const MAX_RETENTION: Duration = Duration::from_secs(3650 * 24 * 3600);
 pub const DEFAULT_MAX_RESULT_LEN: usize = 256 * 1024;
 /// Default largest stored error message, in bytes (4 KiB).
 pub const DEFAULT_MAX_ERROR_LEN: usize = 4 * 1024;
+/// Default largest batch of keys one batch call takes (`acquire_many`, `complete_many`, ...).
+pub const DEFAULT_MAX_BATCH: usize = 100;
 
 /// A per-key fencing token: strictly increasing over the key's whole life, including after the
 /// record was deleted or expired. Issued by the store at every acquisition and takeover; every
@@ -65,6 +67,45 @@ pub struct Lease {
     pub expires_at: SystemTime,
 }
 
+/// How a failed attempt ended, as stored with the record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// A later acquire may run the work again, until attempts run out.
+    Retryable,
+    /// The work must never run again; every later acquire gets the stored error.
+    Terminal,
+    /// The handler succeeded and its effect was applied, but its result could not be stored
+    /// (too large, or it did not encode). Terminal: the work must never run again, and the
+    /// stored text is only the reason the result was not kept.
+    ResultNotStored,
+}
+
+impl FailureKind {
+    /// Whether a later acquire may run the work again.
+    pub fn is_retryable(self) -> bool {
+        matches!(self, Self::Retryable)
+    }
+
+    /// A short name: `retryable`, `terminal`, `result_not_stored`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Retryable => "retryable",
+            Self::Terminal => "terminal",
+            Self::ResultNotStored => "result_not_stored",
+        }
+    }
+
+    /// Every kind, for stores that encode the kind as a small number or a name.
+    pub const ALL: [FailureKind; 3] = [Self::Retryable, Self::Terminal, Self::ResultNotStored];
+}
+
+impl fmt::Display for FailureKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The state of a stored record.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -83,25 +124,77 @@ pub enum RecordState {
     Failed {
         /// The stored error message.
         error: String,
-        /// Whether a later acquire may run the work again (until attempts run out).
-        retryable: bool,
+        /// How it failed: whether a later acquire may run the work again.
+        kind: FailureKind,
     },
 }
 
 impl RecordState {
-    /// A short name: `in_progress`, `released`, `completed`, `failed_retryable`, `failed_terminal`.
+    /// The state without its data.
+    pub fn kind(&self) -> StateKind {
+        match self {
+            Self::InProgress => StateKind::InProgress,
+            Self::Released => StateKind::Released,
+            Self::Completed { .. } => StateKind::Completed,
+            Self::Failed { kind, .. } => StateKind::Failed(*kind),
+        }
+    }
+
+    /// A short name: `in_progress`, `released`, `completed`, `failed_retryable`,
+    /// `failed_terminal`, `failed_result_not_stored`.
     pub fn name(&self) -> &'static str {
+        self.kind().name()
+    }
+}
+
+/// A record's state without its data: what [`LostLease`](crate::LostLease) reports and what
+/// operators filter on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StateKind {
+    /// [`RecordState::InProgress`].
+    InProgress,
+    /// [`RecordState::Released`].
+    Released,
+    /// [`RecordState::Completed`].
+    Completed,
+    /// [`RecordState::Failed`] with its kind.
+    Failed(FailureKind),
+}
+
+impl StateKind {
+    /// A short name: `in_progress`, `released`, `completed`, `failed_retryable`,
+    /// `failed_terminal`, `failed_result_not_stored`.
+    pub fn name(self) -> &'static str {
         match self {
             Self::InProgress => "in_progress",
             Self::Released => "released",
-            Self::Completed { .. } => "completed",
-            Self::Failed {
-                retryable: true, ..
-            } => "failed_retryable",
-            Self::Failed {
-                retryable: false, ..
-            } => "failed_terminal",
+            Self::Completed => "completed",
+            Self::Failed(FailureKind::Retryable) => "failed_retryable",
+            Self::Failed(FailureKind::Terminal) => "failed_terminal",
+            Self::Failed(FailureKind::ResultNotStored) => "failed_result_not_stored",
         }
+    }
+
+    /// Every state kind, in the order of [`StateKind::name`]'s list.
+    pub const ALL: [StateKind; 6] = [
+        Self::InProgress,
+        Self::Released,
+        Self::Completed,
+        Self::Failed(FailureKind::Retryable),
+        Self::Failed(FailureKind::Terminal),
+        Self::Failed(FailureKind::ResultNotStored),
+    ];
+
+    /// The state kind with this [`name`](StateKind::name), for stores that keep the name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+impl fmt::Display for StateKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -147,6 +240,9 @@ pub struct Limits {
     pub max_result_len: usize,
     /// Largest error message accepted by [`fail`](crate::IdempotencyStore::fail), in bytes.
     pub max_error_len: usize,
+    /// Most keys one batch call takes ([`acquire_many`](crate::IdempotencyStore::acquire_many)
+    /// and the other `_many` calls). Default [`DEFAULT_MAX_BATCH`].
+    pub max_batch: usize,
 }
 
 impl Default for Limits {
@@ -154,6 +250,7 @@ impl Default for Limits {
         Self {
             max_result_len: DEFAULT_MAX_RESULT_LEN,
             max_error_len: DEFAULT_MAX_ERROR_LEN,
+            max_batch: DEFAULT_MAX_BATCH,
         }
     }
 }
@@ -171,6 +268,29 @@ impl Limits {
         self
     }
 
+    /// Sets the most keys one batch call takes.
+    pub fn with_max_batch(mut self, len: usize) -> Self {
+        self.max_batch = len;
+        self
+    }
+
+    /// Checks a batch's size against [`Limits::max_batch`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] with field `batch`.
+    pub fn check_batch(&self, len: usize) -> Result<()> {
+        if len > self.max_batch {
+            return Err(Error::invalid(
+                "batch",
+                format!(
+                    "has {len} keys, the most one batch takes is {}",
+                    self.max_batch
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks a result against [`Limits::max_result_len`].
     ///
     /// # Errors
@@ -185,11 +305,18 @@ impl Limits {
         Ok(())
     }
 
-    /// Checks an error message against [`Limits::max_error_len`].
+    /// Checks an error message: at most [`Limits::max_error_len`] bytes and no NUL (which some
+    /// stores cannot hold; every store refuses it so that stored texts round-trip exactly).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] with field `error`.
     pub fn check_error(&self, error: &str) -> Result<()> {
+        if error.contains('\0') {
+            return Err(Error::invalid(
+                "error",
+                "contains NUL, which no store keeps exactly",
+            ));
+        }
         if error.len() > self.max_error_len {
             return Err(Error::invalid(
                 "error",
@@ -201,6 +328,106 @@ impl Limits {
             ));
         }
         Ok(())
+    }
+
+    /// The checks of [`complete`](crate::IdempotencyStore::complete): retention and result size.
+    /// Every store calls this before it writes anything.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] or [`Error::ResultTooLarge`].
+    pub fn check_complete(&self, result: &[u8], retention: Duration) -> Result<()> {
+        check_retention(retention)?;
+        self.check_result(result)
+    }
+
+    /// The checks of [`fail`](crate::IdempotencyStore::fail): retention and error text. Every
+    /// store calls this before it writes anything.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`].
+    pub fn check_fail(&self, error: &str, retention: Duration) -> Result<()> {
+        check_retention(retention)?;
+        self.check_error(error)
+    }
+
+    /// Makes a caller's error text storable under these limits: a NUL becomes the two
+    /// characters `\0`, and a text over [`Limits::max_error_len`] is cut on a character
+    /// boundary and ends with `…`. For callers (the executor, runners) that record a handler's
+    /// error and must not fail because of its content; stores never alter what they are given.
+    pub fn fit_error<'a>(&self, error: &'a str) -> std::borrow::Cow<'a, str> {
+        fit_text(error, self.max_error_len)
+    }
+}
+
+/// Makes `text` storable in `max` bytes: a NUL becomes the two characters `\0`, and a longer
+/// text is cut on a character boundary and ends with `…` (when `max` leaves room for it).
+pub fn fit_text(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    use std::borrow::Cow;
+    let mut text: Cow<'_, str> = if text.contains('\0') {
+        Cow::Owned(text.replace('\0', "\\0"))
+    } else {
+        Cow::Borrowed(text)
+    };
+    if text.len() > max {
+        const ELLIPSIS: &str = "…";
+        let room = if max >= ELLIPSIS.len() {
+            max - ELLIPSIS.len()
+        } else {
+            max
+        };
+        let mut cut = room;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let mut short = text[..cut].to_owned();
+        if max >= ELLIPSIS.len() {
+            short.push_str(ELLIPSIS);
+        }
+        text = Cow::Owned(short);
+    }
+    text
+}
+
+/// One completion of a batch: [`complete_many`](crate::IdempotencyStore::complete_many).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Completion {
+    /// The lease to complete.
+    pub lease: Lease,
+    /// The result to store.
+    pub result: Bytes,
+}
+
+impl Completion {
+    /// A completion of `lease` with `result`.
+    pub fn new(lease: Lease, result: impl Into<Bytes>) -> Self {
+        Self {
+            lease,
+            result: result.into(),
+        }
+    }
+}
+
+/// One failure of a batch: [`fail_many`](crate::IdempotencyStore::fail_many).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Failure {
+    /// The lease whose attempt failed.
+    pub lease: Lease,
+    /// The error text to store.
+    pub error: String,
+    /// How it failed.
+    pub kind: FailureKind,
+}
+
+impl Failure {
+    /// A failure of `lease` with `error` of `kind`.
+    pub fn new(lease: Lease, error: impl Into<String>, kind: FailureKind) -> Self {
+        Self {
+            lease,
+            error: error.into(),
+            kind,
+        }
     }
 }
 
@@ -344,6 +571,9 @@ pub enum AcquireOutcome {
     Failed {
         /// The stored error.
         error: String,
+        /// [`FailureKind::Terminal`], or [`FailureKind::ResultNotStored`] when the handler
+        /// succeeded but its result could not be stored.
+        kind: FailureKind,
     },
 }
 

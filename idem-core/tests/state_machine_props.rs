@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Clock, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Lease, ManualClock, MemoryStore, Namespace, Record, RecordState,
+    AcquireOutcome, AcquireRequest, Clock, FailureKind, FencingToken, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Lease, ManualClock, MemoryStore, Namespace, Record, RecordState, StateKind,
 };
 use proptest::prelude::*;
 
@@ -127,7 +127,12 @@ impl Model {
                     .await
             }
             Op::Fail { retryable, .. } => {
-                self.store.fail(&lease, "boom", *retryable, RETENTION).await
+                let kind = if *retryable {
+                    FailureKind::Retryable
+                } else {
+                    FailureKind::Terminal
+                };
+                self.store.fail(&lease, "boom", kind, RETENTION).await
             }
             Op::Release { .. } => self.store.release(&lease).await,
             _ => unreachable!("only fenced operations come here"),
@@ -140,7 +145,27 @@ impl Model {
                     self.highest_token.get(&key).copied(),
                     "only the newest lease may change a record"
                 );
-                if matches!(op, Op::Complete { .. }) {
+                // Ok means the record shows this transition (first time or replayed).
+                let shown = after.as_ref().map(|r| (r.token, r.state.kind()));
+                let token = lease.token;
+                match op {
+                    Op::Complete { .. } => {
+                        prop_assert_eq!(shown, Some((token, StateKind::Completed)));
+                    }
+                    Op::Release { .. } => {
+                        prop_assert_eq!(shown, Some((token, StateKind::Released)));
+                    }
+                    Op::Fail { retryable, .. } => {
+                        let ok = matches!(shown, Some((t, StateKind::Failed(k))) if t == token && k.is_retryable() == *retryable);
+                        prop_assert!(ok, "fail answered Ok but the record is {:?}", after);
+                    }
+                    _ => {}
+                }
+                if matches!(op, Op::Complete { .. })
+                    && before
+                        .as_ref()
+                        .is_some_and(|r| r.state == RecordState::InProgress)
+                {
                     self.completed
                         .insert(key, after.expect("a completed record exists"));
                 }

@@ -42,14 +42,16 @@ pub const MAX_ERROR_LEN: usize = 16 * 1024;
 pub struct DynamoConfig {
     /// The table holding one item per key. Default [`DEFAULT_TABLE`] (`idem`).
     pub table: String,
-    /// Endpoint override, for DynamoDB Local, LocalStack or a VPC endpoint. When `None`, the
-    /// standard AWS configuration decides: `AWS_ENDPOINT_URL_DYNAMODB`, then `AWS_ENDPOINT_URL`,
-    /// then the `endpoint_url` of the profile, then the regional AWS endpoint.
+    /// Endpoint override, for DynamoDB Local, LocalStack or a VPC endpoint. Default `None`: the
+    /// standard AWS configuration decides (`AWS_ENDPOINT_URL_DYNAMODB`, then `AWS_ENDPOINT_URL`,
+    /// then the `endpoint_url` of the profile, then the regional AWS endpoint).
     pub endpoint_url: Option<String>,
-    /// Region override. When `None`, the standard chain decides (`AWS_REGION`, profile, ...).
+    /// Region override. Default `None`: the standard chain decides (`AWS_REGION`, profile,
+    /// instance metadata, ...).
     pub region: Option<String>,
     /// Static credentials `(access key id, secret access key)`, for DynamoDB Local and LocalStack
-    /// (which accept any). When `None`, the default credential chain is used.
+    /// (which accept any). Default `None`: the default credential chain (environment, profile,
+    /// web identity, container or instance role).
     pub static_credentials: Option<(String, String)>,
     /// How long opening a connection may take. Default 1 s.
     pub connect_timeout: Duration,
@@ -61,8 +63,9 @@ pub struct DynamoConfig {
     /// throttling, 5xx answers, timeouts and transport errors). Default 3.
     pub max_attempts: u32,
     /// The largest result and error message accepted. Default: results up to
-    /// [`MAX_RESULT_LEN`], errors up to [`idem_core::DEFAULT_MAX_ERROR_LEN`]; neither can be set
-    /// above [`MAX_RESULT_LEN`] and [`MAX_ERROR_LEN`].
+    /// [`MAX_RESULT_LEN`] (350 KiB), error texts up to [`idem_core::DEFAULT_MAX_ERROR_LEN`]
+    /// (4 KiB); neither can be set above [`MAX_RESULT_LEN`] and [`MAX_ERROR_LEN`] (16 KiB), since
+    /// a DynamoDB item holds at most 400 KB.
     pub limits: Limits,
     /// The clock that judges leases and retention. DynamoDB has no server clock, so this is the
     /// client's; see the crate docs for the skew assumption. Default the system clock.
@@ -92,26 +95,27 @@ impl DynamoConfig {
         Self::default().with_table(table)
     }
 
-    /// Sets the table.
+    /// Sets the table (default [`DEFAULT_TABLE`], `idem`).
     pub fn with_table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
     }
 
     /// Sets the endpoint (`http://127.0.0.1:8000` for DynamoDB Local, `http://localhost:4566`
-    /// for LocalStack).
+    /// for LocalStack). Default: none, the standard AWS configuration decides.
     pub fn with_endpoint_url(mut self, url: impl Into<String>) -> Self {
         self.endpoint_url = Some(url.into());
         self
     }
 
-    /// Sets the region.
+    /// Sets the region. Default: none, the standard AWS configuration decides.
     pub fn with_region(mut self, region: impl Into<String>) -> Self {
         self.region = Some(region.into());
         self
     }
 
     /// Uses fixed credentials instead of the default chain (for DynamoDB Local and LocalStack).
+    /// Default: none, the default credential chain.
     pub fn with_static_credentials(
         mut self,
         access_key_id: impl Into<String>,
@@ -121,38 +125,39 @@ impl DynamoConfig {
         self
     }
 
-    /// Sets the connection timeout.
+    /// Sets the connection timeout (default 1 s).
     pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
     }
 
-    /// Sets the timeout of one attempt.
+    /// Sets the timeout of one attempt (default 2 s).
     pub fn with_attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = timeout;
         self
     }
 
-    /// Sets the bound on a whole operation.
+    /// Sets the bound on a whole operation, retries included (default 4 s).
     pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
         self
     }
 
-    /// Sets the attempts per operation (1 disables the SDK's retries).
+    /// Sets the attempts per operation (default 3; 1 disables the SDK's retries).
     pub fn with_max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts;
         self
     }
 
-    /// Sets the size limits.
+    /// Sets the size limits (default: results up to [`MAX_RESULT_LEN`], error texts up to
+    /// [`idem_core::DEFAULT_MAX_ERROR_LEN`]).
     pub fn with_limits(mut self, limits: Limits) -> Self {
         self.limits = limits;
         self
     }
 
-    /// Sets the clock (tests use a [`ManualClock`](idem_core::ManualClock) to expire leases and
-    /// retention without sleeping).
+    /// Sets the clock (default the system clock; tests use a
+    /// [`ManualClock`](idem_core::ManualClock) to expire leases and retention without sleeping).
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self
@@ -221,8 +226,20 @@ mod tests {
     fn defaults_are_valid_and_bounded() {
         let config = DynamoConfig::default();
         config.validate().unwrap();
+        // The defaults the field docs state.
+        assert_eq!(config.table, DEFAULT_TABLE);
+        assert_eq!(config.endpoint_url, None);
+        assert_eq!(config.region, None);
+        assert_eq!(config.static_credentials, None);
+        assert_eq!(config.connect_timeout, Duration::from_secs(1));
+        assert_eq!(config.attempt_timeout, Duration::from_secs(2));
+        assert_eq!(config.operation_timeout, Duration::from_secs(4));
+        assert_eq!(config.max_attempts, 3);
         assert_eq!(config.limits.max_result_len, MAX_RESULT_LEN);
-        assert!(config.operation_timeout <= Duration::from_secs(5));
+        assert_eq!(
+            config.limits.max_error_len,
+            idem_core::DEFAULT_MAX_ERROR_LEN
+        );
     }
 
     #[test]

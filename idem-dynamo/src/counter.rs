@@ -1,7 +1,6 @@
 //! Counting the requests a store sends, by DynamoDB operation.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
@@ -89,34 +88,6 @@ impl Intercept for CountRequests {
     ) -> Result<(), BoxError> {
         let operation = cfg.load::<Metadata>().map_or("unknown", Metadata::name);
         self.0.record(operation);
-        Ok(())
-    }
-}
-
-/// Counts the attempts of one operation (1 plus the SDK's retries), so a fenced transition can
-/// tell its own earlier, successful attempt from someone else's change.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct AttemptCounter(Arc<AtomicU32>);
-
-impl AttemptCounter {
-    /// Whether the SDK sent the request more than once.
-    pub(crate) fn retried(&self) -> bool {
-        self.0.load(Ordering::SeqCst) > 1
-    }
-}
-
-impl Intercept for AttemptCounter {
-    fn name(&self) -> &'static str {
-        "idem_dynamo::AttemptCounter"
-    }
-
-    fn read_before_attempt(
-        &self,
-        _context: &BeforeTransmitInterceptorContextRef<'_>,
-        _runtime_components: &RuntimeComponents,
-        _cfg: &mut ConfigBag,
-    ) -> Result<(), BoxError> {
-        self.0.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
 }

@@ -100,14 +100,16 @@ pub(crate) const COMPLETE_UPDATE: &str = "SET #state = :completed, #result = :re
      #final_fingerprint = if_not_exists(#fingerprint, :null) \
      REMOVE #lease_expires_us, #attempts, #created_us, #fingerprint, #error";
 
-pub(crate) const FAIL_TERMINAL_UPDATE: &str = "SET #state = :failed_terminal, #error = :error, \
+/// A final failure (terminal, or result not stored) makes the record final like a completion.
+/// `:failed` is the state's name, which carries the failure kind.
+pub(crate) const FAIL_FINAL_UPDATE: &str = "SET #state = :failed, #error = :error, \
      #updated_us = :now, #expires_us = :expires, #ttl = :ttl, \
      #final_attempts = #attempts, #final_created_us = #created_us, \
      #final_fingerprint = if_not_exists(#fingerprint, :null) \
      REMOVE #lease_expires_us, #attempts, #created_us, #fingerprint, #result";
 
 /// A retryable failure keeps the live attributes: the next acquire counts on from them.
-pub(crate) const FAIL_RETRYABLE_UPDATE: &str = "SET #state = :failed_retryable, #error = :error, \
+pub(crate) const FAIL_RETRYABLE_UPDATE: &str = "SET #state = :failed, #error = :error, \
      #updated_us = :now, #expires_us = :expires, #ttl = :ttl \
      REMOVE #lease_expires_us, #result";
 
@@ -220,7 +222,7 @@ mod tests {
             FENCE,
             EXTEND_UPDATE,
             COMPLETE_UPDATE,
-            FAIL_TERMINAL_UPDATE,
+            FAIL_FINAL_UPDATE,
             FAIL_RETRYABLE_UPDATE,
             RELEASE_UPDATE,
             DELETE_UPDATE,

@@ -6,7 +6,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::AttributeValue;
 use bytes::Bytes;
-use idem_core::{Error, FencingToken, Fingerprint, IdempotencyKey, Record, RecordState, Result};
+use idem_core::{
+    Error, FencingToken, Fingerprint, IdempotencyKey, Record, RecordState, Result, StateKind,
+};
 
 use crate::STORE;
 
@@ -32,7 +34,8 @@ pub(crate) mod attr {
     pub(crate) const CREATED: &str = "created_us";
     /// Fingerprint (B, 32 bytes) or NULL when the caller opted out; same lifetime as `attempts`.
     pub(crate) const FINGERPRINT: &str = "fingerprint";
-    /// The three above, moved here once the record is final (completed, failed terminal).
+    /// The three above, moved here once the record is final (completed, or failed terminally or
+    /// with its result not stored).
     pub(crate) const FINAL_ATTEMPTS: &str = "final_attempts";
     pub(crate) const FINAL_CREATED: &str = "final_created_us";
     pub(crate) const FINAL_FINGERPRINT: &str = "final_fingerprint";
@@ -52,13 +55,15 @@ pub(crate) mod attr {
     pub(crate) const ACQ_PREV: &str = "acq_prev";
 }
 
-/// Values of the `state` attribute ([`RecordState::name`]).
+/// Values of the `state` attribute: [`StateKind::name`], which carries the
+/// [`FailureKind`](idem_core::FailureKind) of a failed record (`failed_retryable`,
+/// `failed_terminal`, `failed_result_not_stored`). The expressions need the few below as
+/// constants; the failed states are written as `StateKind::Failed(kind).name()`.
 pub(crate) mod state {
     pub(crate) const IN_PROGRESS: &str = "in_progress";
     pub(crate) const RELEASED: &str = "released";
     pub(crate) const COMPLETED: &str = "completed";
     pub(crate) const FAILED_RETRYABLE: &str = "failed_retryable";
-    pub(crate) const FAILED_TERMINAL: &str = "failed_terminal";
     /// Not a state: the value of `acq_prev` when the item had no state (absent or tombstone).
     pub(crate) const ABSENT: &str = "absent";
 }
@@ -186,20 +191,23 @@ impl<'a> Decoder<'a> {
 
     fn state(&self) -> Result<RecordState> {
         let name = self.string(attr::STATE)?;
-        Ok(match name.as_str() {
-            state::IN_PROGRESS => RecordState::InProgress,
-            state::RELEASED => RecordState::Released,
-            state::COMPLETED => match self.get(attr::RESULT) {
+        let Some(kind) = StateKind::from_name(&name) else {
+            return Err(self.corrupt(format!("unknown state {name:?}")));
+        };
+        Ok(match kind {
+            StateKind::InProgress => RecordState::InProgress,
+            StateKind::Released => RecordState::Released,
+            StateKind::Completed => match self.get(attr::RESULT) {
                 Some(AttributeValue::B(blob)) => RecordState::Completed {
                     result: Bytes::copy_from_slice(blob.as_ref()),
                 },
                 _ => return Err(self.corrupt("completed without a binary result")),
             },
-            state::FAILED_RETRYABLE | state::FAILED_TERMINAL => RecordState::Failed {
-                error: self.opt_string(attr::ERROR)?.unwrap_or_default(),
-                retryable: name == state::FAILED_RETRYABLE,
+            StateKind::Failed(kind) => RecordState::Failed {
+                error: self.string(attr::ERROR)?,
+                kind,
             },
-            other => return Err(self.corrupt(format!("unknown state {other:?}"))),
+            other => return Err(self.corrupt(format!("state {other} is not handled"))),
         })
     }
 
@@ -300,6 +308,40 @@ mod tests {
         assert_eq!(record.fingerprint, Some(fp));
         assert_eq!(record.lease_expires_at, None);
         assert_eq!(record.expires_at, Some(from_micros(40)));
+    }
+
+    #[test]
+    fn state_names_are_the_core_names() {
+        assert_eq!(state::IN_PROGRESS, StateKind::InProgress.name());
+        assert_eq!(state::RELEASED, StateKind::Released.name());
+        assert_eq!(state::COMPLETED, StateKind::Completed.name());
+        assert_eq!(
+            state::FAILED_RETRYABLE,
+            StateKind::Failed(idem_core::FailureKind::Retryable).name()
+        );
+        assert!(StateKind::from_name(state::ABSENT).is_none());
+    }
+
+    #[test]
+    fn every_failure_kind_decodes_as_stored() {
+        let k = key();
+        for kind in idem_core::FailureKind::ALL {
+            let mut item = live_item();
+            item.remove(attr::LEASE);
+            item.insert(attr::STATE.to_owned(), s(StateKind::Failed(kind).name()));
+            item.insert(attr::ERROR.to_owned(), s("déclined\n"));
+            let record = Decoder::new(&item, &k).record().unwrap();
+            assert_eq!(
+                record.state,
+                RecordState::Failed {
+                    error: "déclined\n".to_owned(),
+                    kind
+                }
+            );
+            item.remove(attr::ERROR);
+            let r = Decoder::new(&item, &k).record();
+            assert!(matches!(r, Err(Error::CorruptRecord { .. })), "{r:?}");
+        }
     }
 
     #[test]

@@ -7,21 +7,23 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use aws_config::{BehaviorVersion, SdkConfig};
 use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::config::http::HttpResponse;
 use aws_sdk_dynamodb::config::retry::RetryConfig;
 use aws_sdk_dynamodb::config::timeout::TimeoutConfig;
 use aws_sdk_dynamodb::config::{Credentials, Region};
+use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 use bytes::Bytes;
-use idem_core::machine::{self, AcquireDecision};
+use idem_core::machine::{self, AcquireDecision, Finish};
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Clock, Error, FencingToken, IdempotencyKey, IdempotencyStore,
-    Lease, Limits, Record, RecordState, Result, check_lease_ttl, check_retention,
+    AcquireOutcome, AcquireRequest, Clock, Error, FailureKind, FencingToken, IdempotencyKey,
+    IdempotencyStore, Lease, Limits, Record, RecordState, Result, StateKind, check_lease_ttl,
 };
 
 use crate::STORE;
 use crate::config::DynamoConfig;
-use crate::counter::{AttemptCounter, RequestCounter};
+use crate::counter::RequestCounter;
 use crate::error::map_sdk_error;
 use crate::expr;
 use crate::item::{
@@ -151,6 +153,20 @@ impl DynamoStore {
         &self.requests
     }
 
+    /// Maps an SDK error of `operation` ([`map_sdk_error`]), naming this store's table and region
+    /// when the table is missing.
+    pub(crate) fn sdk_error<E>(
+        &self,
+        operation: &'static str,
+        err: SdkError<E, HttpResponse>,
+    ) -> Error
+    where
+        E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    {
+        let region = self.client.config().region().map(|r| r.as_ref());
+        map_sdk_error(operation, &self.table, region, err)
+    }
+
     /// The clock reading used for one operation, truncated to the microseconds that are stored.
     fn now(&self) -> (u64, SystemTime) {
         let us = micros(self.clock.now());
@@ -165,10 +181,9 @@ impl DynamoStore {
         condition: &str,
         values: Vec<(&'static str, aws_sdk_dynamodb::types::AttributeValue)>,
         returns: ReturnValue,
-        attempts: Option<&AttemptCounter>,
     ) -> Result<Written> {
         let expressions = [update, condition];
-        let mut request = self
+        let request = self
             .client
             .update_item()
             .table_name(&*self.table)
@@ -178,71 +193,106 @@ impl DynamoStore {
             .set_expression_attribute_names(Some(expr::names(&expressions)))
             .set_expression_attribute_values(Some(expr::values(&expressions, values)))
             .return_values(returns)
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .customize();
-        if let Some(attempts) = attempts {
-            request = request.interceptor(attempts.clone());
-        }
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
         match request.send().await {
             Ok(output) => Ok(Written::Applied(output.attributes.unwrap_or_default())),
             Err(err) => match err.as_service_error() {
                 Some(UpdateItemError::ConditionalCheckFailedException(refused)) => {
                     Ok(Written::Refused(refused.item.clone()))
                 }
-                _ => Err(map_sdk_error(err)),
+                _ => Err(self.sdk_error("UpdateItem", err)),
             },
         }
     }
 
-    /// One fenced transition: `update` applied under [`expr::FENCE`]. When the fence fails, the
-    /// old item says who holds the key now; if the SDK had retried the request and the item shows
-    /// that an earlier attempt of this very call took effect (`already_done`), that is a success.
+    /// One fenced transition: `update` applied under [`expr::FENCE`], in one request.
+    ///
+    /// When the fence fails, DynamoDB returns the item as it was (`ALL_OLD`) in the same answer,
+    /// and that item alone decides: when it carries the lease's token and exactly what `finish`
+    /// writes (the same result bytes, the same error text and kind, released), the transition
+    /// already took effect (a re-send after a lost answer, by the SDK or by the caller) and the
+    /// answer is `Ok` with nothing changed; otherwise it is [`Error::LeaseLost`] saying what the
+    /// item holds. `finish` is `None` for `extend`, which has nothing to replay.
     async fn fenced(
         &self,
         lease: &Lease,
         update: &str,
         now_us: u64,
         mut values: Vec<(&'static str, aws_sdk_dynamodb::types::AttributeValue)>,
-        already_done: impl FnOnce(&Record) -> bool,
+        finish: Option<Finish<'_>>,
     ) -> Result<()> {
-        values.extend([
-            ("token", n(lease.token.get())),
-            ("in_progress", s(state::IN_PROGRESS)),
-            ("now", n(now_us)),
-        ]);
-        let attempts = AttemptCounter::default();
+        values.extend(fence_values(lease, now_us));
         let written = self
-            .update(
-                &lease.key,
-                update,
-                expr::FENCE,
-                values,
-                ReturnValue::None,
-                Some(&attempts),
-            )
+            .update(&lease.key, update, expr::FENCE, values, ReturnValue::None)
             .await?;
-        let old = match written {
-            Written::Applied(_) => return Ok(()),
-            Written::Refused(old) => old,
-        };
-        let now = from_micros(now_us);
-        let current = match old {
-            None => None,
-            Some(item) if is_tombstone(&item) => None,
-            Some(item) => {
-                let record = Decoder::new(&item, &lease.key).record()?;
-                if attempts.retried() && record.token == lease.token && already_done(&record) {
-                    return Ok(());
-                }
-                (!record.is_expired(now)).then_some(record.token)
-            }
-        };
-        Err(Error::LeaseLost {
-            key: lease.key.clone(),
-            presented: lease.token,
-            current,
-        })
+        match written {
+            Written::Applied(_) => Ok(()),
+            Written::Refused(old) => refused(lease, old, now_us, finish),
+        }
     }
+
+    /// The clock reading used for one operation (see [`Self::now`]), in microseconds.
+    pub(crate) fn now_us(&self) -> u64 {
+        self.now().0
+    }
+}
+
+/// The values [`expr::FENCE`] needs for `lease` at `now_us`.
+pub(crate) fn fence_values(
+    lease: &Lease,
+    now_us: u64,
+) -> [(&'static str, aws_sdk_dynamodb::types::AttributeValue); 3] {
+    [
+        ("token", n(lease.token.get())),
+        ("in_progress", s(state::IN_PROGRESS)),
+        ("now", n(now_us)),
+    ]
+}
+
+/// The values [`expr::COMPLETE_UPDATE`] needs (without the fence's).
+pub(crate) fn complete_values(
+    result: &Bytes,
+    retention: Duration,
+    now_us: u64,
+) -> Vec<(&'static str, aws_sdk_dynamodb::types::AttributeValue)> {
+    let expires = retention_deadline(now_us, retention);
+    vec![
+        ("completed", s(state::COMPLETED)),
+        ("result", b(result.to_vec())),
+        ("expires", n(expires)),
+        ("ttl", n(ttl_seconds(expires))),
+        ("null", null()),
+    ]
+}
+
+/// What a fenced transition of `lease` makes of its refusal, from the item as it was (`old`,
+/// DynamoDB's `ALL_OLD`; `None` when there was none): `Ok` when the item carries the lease's
+/// token and exactly what `finish` writes (the transition already took effect: a re-send after
+/// a lost answer), otherwise [`Error::LeaseLost`] saying what the item holds. `finish` is
+/// `None` for `extend`, which has nothing to replay.
+pub(crate) fn refused(
+    lease: &Lease,
+    old: Option<Item>,
+    now_us: u64,
+    finish: Option<Finish<'_>>,
+) -> Result<()> {
+    let found = match old {
+        None => None,
+        Some(item) if is_tombstone(&item) => None,
+        Some(item) => {
+            let record = Decoder::new(&item, &lease.key).record()?;
+            if record.is_expired(from_micros(now_us)) {
+                None
+            } else if record.token == lease.token
+                && finish.is_some_and(|finish| finish.is_done_in(&record))
+            {
+                return Ok(());
+            } else {
+                Some((record.token, record.state.kind()))
+            }
+        }
+    };
+    Err(Error::lease_lost(lease, found))
 }
 
 fn static_credentials(id: &str, secret: &str) -> Credentials {
@@ -269,7 +319,6 @@ impl IdempotencyStore for DynamoStore {
         // earlier, successful attempt.
         let acq_id = uuid::Uuid::new_v4().simple().to_string();
         for _ in 0..MAX_ACQUIRE_ROUNDS {
-            let attempts = AttemptCounter::default();
             let (now_us, now) = self.now();
             let lease_end = now_us.saturating_add(lease_us);
             let mut values = vec![
@@ -298,7 +347,6 @@ impl IdempotencyStore for DynamoStore {
                         &condition,
                         values,
                         ReturnValue::UpdatedOld,
-                        Some(&attempts),
                     )
                     .await?
                 }
@@ -311,7 +359,6 @@ impl IdempotencyStore for DynamoStore {
                             expr::REFRESH_CONDITION,
                             values,
                             ReturnValue::None,
-                            Some(&attempts),
                         )
                         .await?
                     {
@@ -351,9 +398,7 @@ impl IdempotencyStore for DynamoStore {
                 Written::Refused(Some(item)) if is_tombstone(&item) => continue,
                 Written::Refused(Some(item)) => item,
             };
-            if attempts.retried()
-                && let Some(outcome) = own_acquisition(&item, req, &acq_id)?
-            {
+            if let Some(outcome) = own_acquisition(&item, req, &acq_id)? {
                 return Ok(outcome);
             }
             let record = Decoder::new(&item, &req.key).record()?;
@@ -364,7 +409,7 @@ impl IdempotencyStore for DynamoStore {
                         && matches!(
                             record.state,
                             RecordState::Failed {
-                                retryable: true,
+                                kind: FailureKind::Retryable,
                                 ..
                             }
                         );
@@ -387,7 +432,7 @@ impl IdempotencyStore for DynamoStore {
             expr::EXTEND_UPDATE,
             now_us,
             vec![("lease", n(lease_end))],
-            |_| false,
+            None,
         )
         .await?;
         Ok(Lease {
@@ -397,65 +442,60 @@ impl IdempotencyStore for DynamoStore {
     }
 
     async fn complete(&self, lease: &Lease, result: Bytes, retention: Duration) -> Result<()> {
-        check_retention(retention)?;
-        self.limits.check_result(&result)?;
+        self.limits.check_complete(&result, retention)?;
         let (now_us, _) = self.now();
-        let expires = retention_deadline(now_us, retention);
-        let values = vec![
-            ("completed", s(state::COMPLETED)),
-            ("result", b(result.to_vec())),
-            ("expires", n(expires)),
-            ("ttl", n(ttl_seconds(expires))),
-            ("null", null()),
-        ];
-        self.fenced(lease, expr::COMPLETE_UPDATE, now_us, values, |record| {
-            matches!(&record.state, RecordState::Completed { result: stored } if *stored == result)
-        })
-        .await
+        let values = complete_values(&result, retention, now_us);
+        let finish = Finish::Complete {
+            result: &result,
+            retention,
+        };
+        self.fenced(lease, expr::COMPLETE_UPDATE, now_us, values, Some(finish))
+            .await
     }
 
     async fn fail(
         &self,
         lease: &Lease,
         error: &str,
-        retryable: bool,
+        kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        check_retention(retention)?;
-        self.limits.check_error(error)?;
+        self.limits.check_fail(error, retention)?;
         let (now_us, _) = self.now();
         let expires = retention_deadline(now_us, retention);
-        let (update, state_name) = if retryable {
-            (
-                expr::FAIL_RETRYABLE_UPDATE,
-                ("failed_retryable", s(state::FAILED_RETRYABLE)),
-            )
+        // A retryable failure keeps the attributes a re-acquisition counts on; every other kind
+        // is final. The `state` attribute carries the kind.
+        let update = if kind.is_retryable() {
+            expr::FAIL_RETRYABLE_UPDATE
         } else {
-            (
-                expr::FAIL_TERMINAL_UPDATE,
-                ("failed_terminal", s(state::FAILED_TERMINAL)),
-            )
+            expr::FAIL_FINAL_UPDATE
         };
         let values = vec![
-            state_name,
+            ("failed", s(StateKind::Failed(kind).name())),
             ("error", s(error)),
             ("expires", n(expires)),
             ("ttl", n(ttl_seconds(expires))),
             ("null", null()),
         ];
-        self.fenced(lease, update, now_us, values, |record| {
-            matches!(&record.state, RecordState::Failed { error: stored, retryable: r }
-                if stored == error && *r == retryable)
-        })
-        .await
+        let finish = Finish::Fail {
+            error,
+            kind,
+            retention,
+        };
+        self.fenced(lease, update, now_us, values, Some(finish))
+            .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         let (now_us, _) = self.now();
         let values = vec![("released", s(state::RELEASED)), ("one", n(1))];
-        self.fenced(lease, expr::RELEASE_UPDATE, now_us, values, |record| {
-            record.state == RecordState::Released
-        })
+        self.fenced(
+            lease,
+            expr::RELEASE_UPDATE,
+            now_us,
+            values,
+            Some(Finish::Release),
+        )
         .await
     }
 
@@ -468,7 +508,7 @@ impl IdempotencyStore for DynamoStore {
             .consistent_read(true)
             .send()
             .await
-            .map_err(map_sdk_error)?;
+            .map_err(|e| self.sdk_error("GetItem", e))?;
         let Some(item) = output.item.filter(|item| !is_tombstone(item)) else {
             return Ok(None);
         };
@@ -493,7 +533,6 @@ impl IdempotencyStore for DynamoStore {
                 expr::DELETE_CONDITION,
                 vec![("ttl", n(ttl))],
                 ReturnValue::AllOld,
-                None,
             )
             .await?;
         let old = match written {
@@ -513,7 +552,7 @@ impl IdempotencyStore for DynamoStore {
                 .expression_attribute_names("#token", attr::TOKEN)
                 .send()
                 .await
-                .map_err(map_sdk_error)?;
+                .map_err(|e| self.sdk_error("UpdateItem", e))?;
         }
         if old.is_empty() || is_tombstone(&old) {
             return Ok(false);
@@ -534,9 +573,10 @@ impl IdempotencyStore for DynamoStore {
     }
 }
 
-/// A refused acquire whose request the SDK sent more than once: when the item is in progress
-/// under this call's `acq_id`, an earlier attempt of this very call took effect (its answer was
-/// lost), and this is that acquisition.
+/// A refused acquire: when the item is in progress under this call's `acq_id`, an earlier
+/// attempt of this very call took effect (its answer was lost and the SDK sent the request
+/// again), and this is that acquisition. Nothing else writes this call's random `acq_id`, and
+/// every request of the call that did write returned at once, so no other case matches.
 fn own_acquisition(
     item: &Item,
     req: &AcquireRequest,

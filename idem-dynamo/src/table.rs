@@ -12,21 +12,11 @@ use aws_sdk_dynamodb::types::{
 use idem_core::{Error, Result};
 
 use crate::STORE;
-use crate::error::map_sdk_error;
 use crate::item::attr;
 use crate::store::DynamoStore;
 
 /// How long [`DynamoStore::create_table_if_missing`] waits for a new table to become active.
 const ACTIVE_WITHIN: Duration = Duration::from_secs(120);
-
-/// The table did not become active in time.
-#[derive(Debug, thiserror::Error)]
-#[error("table {table} is not ACTIVE after {waited:?} (status {status})")]
-struct TableNotActive {
-    table: String,
-    waited: Duration,
-    status: String,
-}
 
 impl DynamoStore {
     /// Creates the table if it does not exist (partition key `pk` of type string, on-demand
@@ -39,8 +29,9 @@ impl DynamoStore {
     ///
     /// # Errors
     /// [`Error::Unavailable`] or [`Error::Backend`] from DynamoDB (for instance when the
-    /// credentials may not create tables); [`Error::Backend`] when the table is not active within
-    /// two minutes.
+    /// credentials may not create tables); [`Error::Unavailable`] with
+    /// [`TimedOut`](idem_core::TimedOut) ([`Error::timed_out`]) when the table is not active
+    /// within two minutes.
     pub async fn create_table_if_missing(&self) -> Result<bool> {
         let created = match self.table_status().await? {
             Some(_) => false,
@@ -71,7 +62,7 @@ impl DynamoStore {
             {
                 Ok(None)
             }
-            Err(e) => Err(map_sdk_error(e)),
+            Err(e) => Err(self.sdk_error("DescribeTable", e)),
         }
     }
 
@@ -106,27 +97,20 @@ impl DynamoStore {
             {
                 Ok(false)
             }
-            Err(e) => Err(map_sdk_error(e)),
+            Err(e) => Err(self.sdk_error("CreateTable", e)),
         }
     }
 
     async fn wait_active(&self) -> Result<()> {
         let start = Instant::now();
         loop {
-            let status = self.table_status().await?;
-            if status == Some(TableStatus::Active) {
+            if self.table_status().await? == Some(TableStatus::Active) {
                 return Ok(());
             }
             if start.elapsed() > ACTIVE_WITHIN {
-                return Err(Error::backend(
-                    STORE,
-                    TableNotActive {
-                        table: self.table().to_owned(),
-                        waited: start.elapsed(),
-                        status: status.map_or_else(|| "missing".into(), |s| s.as_str().to_owned()),
-                    },
-                ));
+                return Err(Error::timed_out(STORE, start.elapsed()));
             }
+            // DynamoDB offers no notification: poll, as the SDK's own waiters do.
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
@@ -138,7 +122,7 @@ impl DynamoStore {
             .table_name(self.table())
             .send()
             .await
-            .map_err(map_sdk_error)?;
+            .map_err(|e| self.sdk_error("DescribeTimeToLive", e))?;
         let status = described
             .time_to_live_description()
             .and_then(|d| d.time_to_live_status());
@@ -172,7 +156,7 @@ impl DynamoStore {
             {
                 Ok(())
             }
-            Err(e) => Err(map_sdk_error(e)),
+            Err(e) => Err(self.sdk_error("UpdateTimeToLive", e)),
         }
     }
 }

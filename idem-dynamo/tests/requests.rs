@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
-    Namespace,
+    AcquireOutcome, AcquireRequest, Bytes, Error, FailureKind, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Lease, LostLease, Namespace, StateKind,
 };
 use idem_dynamo::DynamoStore;
 
@@ -48,7 +48,9 @@ async fn counted<T>(store: &DynamoStore, f: impl AsyncFnOnce() -> T) -> (T, BTre
 
 #[tokio::test]
 async fn fresh_message_costs_two_requests_and_a_duplicate_one() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let key = key("fresh");
     let ((), sent) = counted(&store, async || {
         let lease = lease(&store, &request(&key, "a")).await;
@@ -70,7 +72,9 @@ async fn fresh_message_costs_two_requests_and_a_duplicate_one() {
 
 #[tokio::test]
 async fn busy_conflict_and_terminal_cost_one_request() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let busy = key("busy");
     lease(&store, &request(&busy, "a")).await;
     let (out, sent) = counted(&store, async || store.acquire(&request(&busy, "b")).await).await;
@@ -88,7 +92,9 @@ async fn busy_conflict_and_terminal_cost_one_request() {
     let terminal = key("terminal");
     let l = lease(&store, &request(&terminal, "a")).await;
     let (out, sent) = counted(&store, async || {
-        store.fail(&l, "declined", false, RETENTION).await
+        store
+            .fail(&l, "declined", FailureKind::Terminal, RETENTION)
+            .await
     })
     .await;
     out.unwrap();
@@ -103,7 +109,9 @@ async fn busy_conflict_and_terminal_cost_one_request() {
 
 #[tokio::test]
 async fn reacquisitions_cost_one_request() {
-    let (store, clock) = common::manual_store().await;
+    let Some((store, clock)) = common::manual_store().await else {
+        return;
+    };
     // Takeover of an expired lease.
     let crashed = key("crashed");
     lease(&store, &request(&crashed, "a")).await;
@@ -143,7 +151,10 @@ async fn reacquisitions_cost_one_request() {
     .await;
     out.unwrap();
     assert_eq!(sent, updates(1), "extend");
-    store.fail(&l, "timeout", true, RETENTION).await.unwrap();
+    store
+        .fail(&l, "timeout", FailureKind::Retryable, RETENTION)
+        .await
+        .unwrap();
     let (out, sent) = counted(&store, async || {
         store.acquire(&request(&retried, "b")).await
     })
@@ -158,7 +169,10 @@ async fn reacquisitions_cost_one_request() {
     let poison = key("poison");
     let req = request(&poison, "a").with_max_attempts(1);
     let l = lease(&store, &req).await;
-    store.fail(&l, "boom", true, RETENTION).await.unwrap();
+    store
+        .fail(&l, "boom", FailureKind::Retryable, RETENTION)
+        .await
+        .unwrap();
     let (out, sent) = counted(&store, async || store.acquire(&req).await).await;
     assert!(
         matches!(out, Ok(AcquireOutcome::Exhausted { .. })),
@@ -169,7 +183,9 @@ async fn reacquisitions_cost_one_request() {
 
 #[tokio::test]
 async fn past_retention_costs_one_request_except_a_stale_retryable_failure() {
-    let (store, clock) = common::manual_store().await;
+    let Some((store, clock)) = common::manual_store().await else {
+        return;
+    };
     let done = key("done");
     let l = lease(&store, &request(&done, "a")).await;
     store
@@ -188,7 +204,12 @@ async fn past_retention_costs_one_request_except_a_stale_retryable_failure() {
     let stale = key("stale-retryable");
     let l = lease(&store, &request(&stale, "a")).await;
     store
-        .fail(&l, "timeout", true, Duration::from_secs(1))
+        .fail(
+            &l,
+            "timeout",
+            FailureKind::Retryable,
+            Duration::from_secs(1),
+        )
         .await
         .unwrap();
     clock.advance(Duration::from_secs(2));
@@ -202,7 +223,9 @@ async fn past_retention_costs_one_request_except_a_stale_retryable_failure() {
 
 #[tokio::test]
 async fn operator_calls_are_one_request_each() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let key = key("operator");
     lease(&store, &request(&key, "a")).await;
     let (record, sent) = counted(&store, async || store.get(&key).await).await;
@@ -222,7 +245,9 @@ async fn operator_calls_are_one_request_each() {
 
 #[tokio::test]
 async fn bad_input_sends_nothing() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let key = key("bad");
     let l = lease(&store, &request(&key, "a")).await;
     let too_big = Bytes::from(vec![0u8; store.limits().max_result_len + 1]);
@@ -231,13 +256,88 @@ async fn bad_input_sends_nothing() {
             store.acquire(&request(&key, "")).await.is_err(),
             store.complete(&l, too_big, RETENTION).await.is_err(),
             store.extend(&l, Duration::ZERO).await.is_err(),
-            store.fail(&l, "x", true, Duration::ZERO).await.is_err(),
+            store
+                .fail(&l, "x", FailureKind::Retryable, Duration::ZERO)
+                .await
+                .is_err(),
+            store
+                .fail(&l, "nul\0byte", FailureKind::Terminal, RETENTION)
+                .await
+                .is_err(),
         )
     })
     .await;
-    assert_eq!(out, (true, true, true, true));
+    assert_eq!(out, (true, true, true, true, true));
     assert!(
         sent.is_empty(),
         "rejected input must not reach DynamoDB: {sent:?}"
+    );
+}
+
+#[tokio::test]
+async fn replayed_and_refused_transitions_cost_one_request() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let not_in = |state| LostLease::NotInProgress { state };
+
+    let done = key("replayed-complete");
+    let l = lease(&store, &request(&done, "a")).await;
+    store
+        .complete(&l, Bytes::from_static(b"ok"), RETENTION)
+        .await
+        .unwrap();
+    let (out, sent) = counted(&store, async || {
+        store
+            .complete(&l, Bytes::from_static(b"ok"), RETENTION)
+            .await
+    })
+    .await;
+    out.expect("the same completion again is Ok");
+    assert_eq!(sent, updates(1), "a replayed complete: no read first");
+    let (out, sent) = counted(&store, async || {
+        store
+            .complete(&l, Bytes::from_static(b"other"), RETENTION)
+            .await
+    })
+    .await;
+    assert!(
+        matches!(&out, Err(Error::LeaseLost { why, .. }) if *why == not_in(StateKind::Completed)),
+        "{out:?}"
+    );
+    assert_eq!(sent, updates(1), "a refused complete");
+
+    let failed = key("replayed-fail");
+    let l = lease(&store, &request(&failed, "a")).await;
+    let kind = FailureKind::ResultNotStored;
+    store.fail(&l, "too big", kind, RETENTION).await.unwrap();
+    let (out, sent) = counted(&store, async || {
+        store.fail(&l, "too big", kind, RETENTION).await
+    })
+    .await;
+    out.expect("the same failure again is Ok");
+    assert_eq!(sent, updates(1), "a replayed fail");
+    let (out, sent) = counted(&store, async || {
+        store
+            .fail(&l, "too big", FailureKind::Terminal, RETENTION)
+            .await
+    })
+    .await;
+    assert!(
+        matches!(&out, Err(Error::LeaseLost { why, .. }) if *why == not_in(StateKind::Failed(kind))),
+        "{out:?}"
+    );
+    assert_eq!(sent, updates(1), "a fail of another kind");
+
+    let released = key("replayed-release");
+    let l = lease(&store, &request(&released, "a")).await;
+    store.release(&l).await.unwrap();
+    let (out, sent) = counted(&store, async || store.release(&l).await).await;
+    out.expect("a release again is Ok");
+    assert_eq!(sent, updates(1), "a replayed release");
+    assert_eq!(
+        store.get(&released).await.unwrap().unwrap().attempts,
+        0,
+        "the attempt was given back once"
     );
 }

@@ -1,7 +1,7 @@
-//! The SDK retries a request whose answer was lost; the first attempt may have taken effect.
-//! These tests lose answers on purpose (an HTTP client that delivers the request, then reports a
-//! transport error instead of the answer) and check what each transition, acquire included, makes
-//! of its retry.
+//! The SDK retries a request whose answer was lost, and callers re-send after an `Unavailable`;
+//! the first attempt may have taken effect. These tests lose answers on purpose (an HTTP client
+//! that delivers the request, then reports a transport error instead of the answer) and check
+//! what each transition, acquire included, makes of the re-sent request.
 
 mod common;
 
@@ -14,15 +14,16 @@ use aws_smithy_runtime_api::client::http::{
     HttpClient, HttpConnector, HttpConnectorFuture, HttpConnectorSettings, SharedHttpClient,
     SharedHttpConnector,
 };
+use common::EffectTable;
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Error, IdempotencyKey, IdempotencyStore, Lease,
-    ManualClock, Namespace, RecordState,
+    AcquireOutcome, AcquireRequest, Bytes, Error, FailureKind, IdempotencyKey, IdempotencyStore,
+    Lease, LostLease, ManualClock, Namespace, RecordState, StateKind, TransactionalStore,
 };
 use idem_dynamo::aws_config::{self, BehaviorVersion};
 use idem_dynamo::aws_sdk_dynamodb::config::RuntimeComponents;
 use idem_dynamo::aws_sdk_dynamodb::config::http::HttpRequest;
 use idem_dynamo::aws_sdk_dynamodb::error::ConnectorError;
-use idem_dynamo::{DynamoStore, RequestCounter};
+use idem_dynamo::{DynamoStore, DynamoWrites, RequestCounter};
 
 const RETENTION: Duration = Duration::from_secs(3600);
 
@@ -101,11 +102,14 @@ impl HttpConnector for LosingConnector {
     }
 }
 
-/// A store (on `clock` when given) whose HTTP client loses the answers the returned [`Losses`]
-/// arms.
-async fn losing_store(clock: Option<Arc<ManualClock>>) -> (DynamoStore, Arc<Losses>) {
+/// A store (on `clock` when given, with `max_attempts` per request) whose HTTP client loses the
+/// answers the returned [`Losses`] arms; `None` (the test skips) without a server.
+async fn losing_store_with(
+    clock: Option<Arc<ManualClock>>,
+    max_attempts: u32,
+) -> Option<(DynamoStore, Arc<Losses>)> {
     // The table exists once a normal store made it.
-    common::store().await;
+    common::store().await?;
     let sdk = aws_config::defaults(BehaviorVersion::latest())
         .region(aws_config::Region::new("us-east-1"))
         .load()
@@ -122,12 +126,17 @@ async fn losing_store(clock: Option<Arc<ManualClock>>) -> (DynamoStore, Arc<Loss
         lose: lose.clone(),
     };
     let sdk = sdk.into_builder().http_client(client).build();
-    let mut config = common::config(common::table());
+    let mut config = common::config(common::table()).with_max_attempts(max_attempts);
     if let Some(clock) = clock {
         config = config.with_clock(clock);
     }
     let store = DynamoStore::from_sdk_config(&sdk, config).unwrap();
-    (store, lose)
+    Some((store, lose))
+}
+
+/// [`losing_store_with`] the default three attempts: the SDK re-sends a lost answer's request.
+async fn losing_store(clock: Option<Arc<ManualClock>>) -> Option<(DynamoStore, Arc<Losses>)> {
+    losing_store_with(clock, 3).await
 }
 
 fn key(id: &str) -> IdempotencyKey {
@@ -156,7 +165,9 @@ fn sent(requests: &RequestCounter) -> u64 {
 
 #[tokio::test]
 async fn fenced_transitions_recognise_their_own_lost_write() {
-    let (store, lose) = losing_store(None).await;
+    let Some((store, lose)) = losing_store(None).await else {
+        return;
+    };
     let requests = store.requests().clone();
 
     let completed = key("complete");
@@ -180,7 +191,7 @@ async fn fenced_transitions_recognise_their_own_lost_write() {
     let l = lease(&store, &failed).await;
     lose.arm(0, 1);
     store
-        .fail(&l, "timeout", true, RETENTION)
+        .fail(&l, "timeout", FailureKind::Retryable, RETENTION)
         .await
         .expect("a retried fail whose first attempt landed is a success");
 
@@ -197,15 +208,94 @@ async fn fenced_transitions_recognise_their_own_lost_write() {
         "released once, not twice"
     );
 
-    // Without a retry, a second complete is a fencing violation, as the contract says.
+    // Without any retry, the same complete is a replay too (contract v2), and another one is
+    // refused saying the record is completed.
+    let lease = store_lease_of(&store, &completed).await;
+    requests.reset();
+    store
+        .complete(&lease, Bytes::from_static(b"ok"), RETENTION)
+        .await
+        .expect("the same completion, re-sent by the caller");
+    assert_eq!(sent(&requests), 1, "one request, no read first");
     let r = store
-        .complete(
-            &store_lease_of(&store, &completed).await,
-            Bytes::from_static(b"ok"),
-            RETENTION,
-        )
+        .complete(&lease, Bytes::from_static(b"ko"), RETENTION)
         .await;
-    assert!(matches!(r, Err(Error::LeaseLost { .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::LeaseLost {
+                why: LostLease::NotInProgress {
+                    state: StateKind::Completed
+                },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+}
+
+/// A caller that re-sends after an `Unavailable` whose request did take effect (the SDK did not
+/// retry: one attempt per request) gets `Ok`, and the record is what the first request wrote.
+#[tokio::test]
+async fn a_caller_resending_after_a_lost_answer_gets_ok() {
+    let Some((store, lose)) = losing_store_with(None, 1).await else {
+        return;
+    };
+    let requests = store.requests().clone();
+
+    let completed = key("complete");
+    let l = lease(&store, &completed).await;
+    lose.arm(0, 1);
+    let r = store
+        .complete(&l, Bytes::from_static(b"ok"), RETENTION)
+        .await;
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    requests.reset();
+    store
+        .complete(&l, Bytes::from_static(b"ok"), RETENTION)
+        .await
+        .expect("the re-sent completion finds its own write");
+    assert_eq!(sent(&requests), 1);
+    assert_eq!(
+        store.get(&completed).await.unwrap().unwrap().state,
+        RecordState::Completed {
+            result: Bytes::from_static(b"ok")
+        }
+    );
+
+    for kind in FailureKind::ALL {
+        let failed = key(&format!("fail-{kind}"));
+        let l = lease(&store, &failed).await;
+        lose.arm(0, 1);
+        let r = store.fail(&l, "declined", kind, RETENTION).await;
+        assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+        store
+            .fail(&l, "declined", kind, RETENTION)
+            .await
+            .unwrap_or_else(|e| panic!("the re-sent {kind} failure finds its own write: {e:?}"));
+        assert_eq!(
+            store.get(&failed).await.unwrap().unwrap().state,
+            RecordState::Failed {
+                error: "declined".to_owned(),
+                kind
+            }
+        );
+    }
+
+    let released = key("release");
+    let l = lease(&store, &released).await;
+    lose.arm(0, 1);
+    let r = store.release(&l).await;
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    store
+        .release(&l)
+        .await
+        .expect("the re-sent release finds its own write");
+    assert_eq!(
+        store.get(&released).await.unwrap().unwrap().attempts,
+        0,
+        "released once, not twice"
+    );
 }
 
 /// The lease that completed `key` (its token), to present it again.
@@ -260,7 +350,9 @@ async fn acquire_with_lost_answer(
 
 #[tokio::test]
 async fn a_retried_acquire_whose_first_attempt_landed_is_acquired() {
-    let (store, lose) = losing_store(None).await;
+    let Some((store, lose)) = losing_store(None).await else {
+        return;
+    };
     let fresh = key("acquire");
     let (lease, takeover) = acquire_with_lost_answer(
         &store,
@@ -282,7 +374,9 @@ async fn a_retried_acquire_whose_first_attempt_landed_is_acquired() {
 #[tokio::test]
 async fn retried_takeover_reacquire_and_refresh_are_acquired() {
     let clock = Arc::new(ManualClock::default());
-    let (store, lose) = losing_store(Some(clock.clone())).await;
+    let Some((store, lose)) = losing_store(Some(clock.clone())).await else {
+        return;
+    };
     let short = |key: &IdempotencyKey, owner: &str| {
         AcquireRequest::new(key.clone(), owner).with_lease_ttl(Duration::from_secs(1))
     };
@@ -310,11 +404,105 @@ async fn retried_takeover_reacquire_and_refresh_are_acquired() {
     let stale = key("refresh");
     let a = lease_with(&store, &short(&stale, "a")).await;
     store
-        .fail(&a, "timeout", true, Duration::from_secs(1))
+        .fail(
+            &a,
+            "timeout",
+            FailureKind::Retryable,
+            Duration::from_secs(1),
+        )
         .await
         .unwrap();
     clock.advance(Duration::from_secs(2));
     let (b, takeover) = acquire_with_lost_answer(&store, &lose, (1, 1), &short(&stale, "b")).await;
     assert_eq!((b.attempt, takeover), (1, false));
     assert_eq!(b.token.get(), a.token.get() + 1);
+}
+
+/// A transactional completion whose answer is lost commits once: the SDK's retry re-sends the
+/// identical request (the same `ClientRequestToken`), and a caller's re-send after
+/// `Unavailable` is decided by the completion's condition. Either way `Ok`, and the effect, a
+/// list every application appends to, holds the token once.
+#[tokio::test]
+async fn a_transactional_completion_whose_answer_was_lost_applies_once() {
+    let Some((store, lose)) = losing_store(None).await else {
+        return;
+    };
+    let fx = EffectTable::new().await;
+    let requests = store.requests().clone();
+    let transactions = |requests: &RequestCounter| {
+        let n = requests.get("TransactWriteItems");
+        requests.reset();
+        n
+    };
+    let effect = |key: &IdempotencyKey| format!("{key}/list");
+
+    // The SDK retries.
+    let k = key("tx-sdk");
+    let l = lease(&store, &k).await;
+    let writes = DynamoWrites::new().update(fx.append(&effect(&k), l.token.get()));
+    requests.reset();
+    lose.arm(0, 1);
+    store
+        .complete_with(&l, Bytes::from_static(b"ok"), RETENTION, writes)
+        .await
+        .expect("a retried transactional completion whose first attempt landed is Ok");
+    assert_eq!(lose.armed(), 0, "the answer was lost");
+    assert_eq!(
+        transactions(&requests),
+        2,
+        "the first attempt and the SDK's retry"
+    );
+    assert_eq!(fx.tokens(&effect(&k)).await.unwrap(), vec![l.token.get()]);
+    assert_eq!(
+        store.get(&k).await.unwrap().unwrap().state,
+        RecordState::Completed {
+            result: Bytes::from_static(b"ok")
+        }
+    );
+
+    // The caller re-sends (one attempt per request: the SDK does not).
+    let Some((store, lose)) = losing_store_with(None, 1).await else {
+        return;
+    };
+    let requests = store.requests().clone();
+    let k = key("tx-caller");
+    let l = lease(&store, &k).await;
+    let writes = || DynamoWrites::new().update(fx.append(&effect(&k), l.token.get()));
+    lose.arm(0, 1);
+    let r = store
+        .complete_with(&l, Bytes::from_static(b"ok"), RETENTION, writes())
+        .await;
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    requests.reset();
+    store
+        .complete_with(&l, Bytes::from_static(b"ok"), RETENTION, writes())
+        .await
+        .expect("the re-sent transactional completion finds its own commit");
+    assert_eq!(transactions(&requests), 1, "decided in one request");
+    assert_eq!(
+        fx.tokens(&effect(&k)).await.unwrap(),
+        vec![l.token.get()],
+        "applied once"
+    );
+    // Once more, and with another result: the first is Ok again, the second refused.
+    store
+        .complete_with(&l, Bytes::from_static(b"ok"), RETENTION, writes())
+        .await
+        .unwrap();
+    let r = store
+        .complete_with(&l, Bytes::from_static(b"ko"), RETENTION, writes())
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::LeaseLost {
+                why: LostLease::NotInProgress {
+                    state: StateKind::Completed
+                },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert_eq!(fx.tokens(&effect(&k)).await.unwrap(), vec![l.token.get()]);
 }

@@ -13,7 +13,7 @@ pub const DEFAULT_TABLE: &str = "records";
 /// Longest schema name accepted, in bytes (PostgreSQL's identifier limit).
 pub const MAX_SCHEMA_LEN: usize = 63;
 /// Longest table name accepted, in bytes: the crate derives `<table>_token_seq`,
-/// `<table>_migrations` and `<table>_expires_at_idx` from it, and each must fit PostgreSQL's
+/// `<table>_migrations`, `<table>_expires_at_idx` and `<table>_state_check` from it, and each must fit PostgreSQL's
 /// 63-byte identifier limit (PostgreSQL would silently truncate a longer one).
 pub const MAX_TABLE_LEN: usize = 48;
 
@@ -40,33 +40,56 @@ pub const MAX_TABLE_LEN: usize = 48;
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct PostgresConfig {
-    /// The `tokio-postgres` connection settings (host, port, user, database, ...).
+    /// The `tokio-postgres` connection settings (host, port, user, database, ...). No default:
+    /// given to [`PostgresConfig::new`] or [`PostgresConfig::from_pg_config`]. Its
+    /// `connect_timeout`, `application_name` and `options` are overwritten from this
+    /// configuration when the store connects (`-c statement_timeout=...` is appended to
+    /// `options`).
     pub pg: tokio_postgres::Config,
     /// Schema holding the table and its sequence (created by [`migrate`](crate::PostgresStore::migrate)
     /// when missing). Must match `^[a-z_][a-z0-9_]{0,62}$` and must not start with `pg_`.
+    /// Default: [`DEFAULT_SCHEMA`] (`idem`).
     pub schema: String,
-    /// Table name. Must match `^[a-z_][a-z0-9_]{0,47}$`.
+    /// Table name. Must match `^[a-z_][a-z0-9_]{0,47}$`. Default: [`DEFAULT_TABLE`]
+    /// (`records`).
     pub table: String,
-    /// Most connections the pool opens.
+    /// Most connections the pool opens. Default: 16.
     pub pool_size: usize,
     /// Bound on opening one connection (TCP connect plus startup and authentication).
+    /// Default: 3 s.
     pub connect_timeout: Duration,
-    /// Bound on waiting for a free pooled connection.
+    /// Bound on waiting for a free pooled connection. Default: 5 s.
     pub pool_wait_timeout: Duration,
     /// Server-side `statement_timeout` of every pooled connection (so it also applies to the
     /// business statements of [transactional mode](crate::transactional)). The client also gives up
     /// on any of the store's own statements after this plus one second, dropping the connection,
-    /// so a server that stopped answering cannot hang a caller.
+    /// so a server that stopped answering cannot hang a caller. Default: 5 s.
     pub statement_timeout: Duration,
     /// How long an acquire waits on a row lock held by another open transaction (a holder in
     /// transactional mode) before answering `InProgress` (and how long recording a failed
     /// transactional attempt waits before reporting it as not recorded). Must be shorter than
     /// [`statement_timeout`](Self::statement_timeout), or the statement timeout would cut the
     /// wait first and the duplicate would get `Unavailable` instead of `InProgress`.
+    /// Default: 1 s.
     pub lock_timeout: Duration,
-    /// `application_name` of the pooled connections, visible in `pg_stat_activity`.
+    /// `application_name` of the pooled connections, visible in `pg_stat_activity`. At most 63
+    /// printable ASCII characters. Default: `idem`.
     pub application_name: String,
-    /// Size limits for results and error messages.
+    /// [In-transaction mode](crate::transactional) only, in a transaction it opens itself
+    /// ([`InTransaction::run`](crate::InTransaction::run)): the transaction's
+    /// `idle_in_transaction_session_timeout` (set with `SET LOCAL`, so it lasts for that
+    /// transaction only). When the handler leaves the transaction idle longer than this (it awaits
+    /// something else with the transaction open, or the process hangs or loses the network), the
+    /// server ends the session, which rolls the transaction back and frees the key, whatever the
+    /// client does. Default: 10 s.
+    pub transaction_idle_timeout: Duration,
+    /// [In-transaction mode](crate::transactional) only: the bound on one whole call (the acquire,
+    /// the handler, the completion and the commit). Past it the handler's future is dropped, the
+    /// running statement, if any, is cancelled, the transaction is rolled back (the connection is
+    /// closed, or, in a transaction you opened, rolled back to the mode's savepoint), the key is
+    /// free again and the attempt is recorded as a retryable failure. Default: 30 s.
+    pub transaction_timeout: Duration,
+    /// Size limits for results and error messages. Default: [`Limits::default`].
     pub limits: Limits,
     #[cfg(feature = "tls")]
     pub(crate) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
@@ -85,6 +108,8 @@ impl fmt::Debug for PostgresConfig {
             .field("statement_timeout", &self.statement_timeout)
             .field("lock_timeout", &self.lock_timeout)
             .field("application_name", &self.application_name)
+            .field("transaction_idle_timeout", &self.transaction_idle_timeout)
+            .field("transaction_timeout", &self.transaction_timeout)
             .field("limits", &self.limits);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls.is_some());
@@ -117,6 +142,8 @@ impl PostgresConfig {
             statement_timeout: Duration::from_secs(5),
             lock_timeout: Duration::from_secs(1),
             application_name: "idem".to_owned(),
+            transaction_idle_timeout: Duration::from_secs(10),
+            transaction_timeout: Duration::from_secs(30),
             limits: Limits::default(),
             #[cfg(feature = "tls")]
             tls: None,
@@ -171,6 +198,19 @@ impl PostgresConfig {
         self
     }
 
+    /// Sets the `idle_in_transaction_session_timeout` of the transactions the in-transaction mode
+    /// opens.
+    pub fn with_transaction_idle_timeout(mut self, timeout: Duration) -> Self {
+        self.transaction_idle_timeout = timeout;
+        self
+    }
+
+    /// Sets the bound on one whole in-transaction call.
+    pub fn with_transaction_timeout(mut self, timeout: Duration) -> Self {
+        self.transaction_timeout = timeout;
+        self
+    }
+
     /// Sets the size limits.
     pub fn with_limits(mut self, limits: Limits) -> Self {
         self.limits = limits;
@@ -199,7 +239,8 @@ impl PostgresConfig {
     /// # Errors
     /// [`Error::InvalidInput`] naming the field: `schema`, `table`, `pool_size`,
     /// `connect_timeout`, `pool_wait_timeout`, `statement_timeout`, `lock_timeout` (also when it
-    /// is not shorter than `statement_timeout`) or `application_name`.
+    /// is not shorter than `statement_timeout`), `transaction_idle_timeout`,
+    /// `transaction_timeout` or `application_name`.
     pub fn validate(&self) -> Result<()> {
         check_identifier("schema", &self.schema, MAX_SCHEMA_LEN)?;
         if self.schema.starts_with("pg_") {
@@ -217,6 +258,8 @@ impl PostgresConfig {
             ("pool_wait_timeout", self.pool_wait_timeout),
             ("statement_timeout", self.statement_timeout),
             ("lock_timeout", self.lock_timeout),
+            ("transaction_idle_timeout", self.transaction_idle_timeout),
+            ("transaction_timeout", self.transaction_timeout),
         ] {
             if d < Duration::from_millis(1) || d > Duration::from_secs(24 * 3600) {
                 return Err(Error::invalid(

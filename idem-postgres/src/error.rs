@@ -7,6 +7,9 @@ use deadpool_postgres::PoolError;
 use idem_core::Error;
 use tokio_postgres::error::SqlState;
 
+use crate::schema::SCHEMA_VERSION;
+use crate::sql::Names;
+
 pub(crate) const STORE: &str = "postgres";
 
 /// SQLSTATEs after which the same operation may succeed later: the store was busy, restarting or
@@ -71,6 +74,57 @@ pub(crate) fn map_pg(e: tokio_postgres::Error) -> Error {
     }
 }
 
+/// Maps an error of one of the store's own statements: a missing schema, table, sequence or
+/// column, or a table from before the latest schema version, is [`Error::NotSetUp`] naming the
+/// table and how to set it up; everything else as [`map_pg`].
+///
+/// Only for the statements the store writes itself: a business statement of transactional mode
+/// may miss a table of its own, which says nothing about the store's.
+pub(crate) fn map_store_pg(e: tokio_postgres::Error, names: &Names) -> Error {
+    not_set_up(&e, names).unwrap_or_else(|| map_pg(e))
+}
+
+/// [`Error::NotSetUp`] when `e` says the store's schema is missing or out of date.
+///
+/// - `3F000` invalid schema name (the schema does not exist)
+/// - `42P01` undefined table (the table or its token sequence does not exist)
+/// - `42703` undefined column (a column a later schema version added is missing)
+/// - `23514` check violation of `<table>_state_check`: the table is at schema version 1, whose
+///   check does not allow the state `failed_result_not_stored` (version 2)
+fn not_set_up(e: &tokio_postgres::Error, names: &Names) -> Option<Error> {
+    let db = e.as_db_error()?;
+    let code = db.code();
+    let missing = if [
+        SqlState::INVALID_SCHEMA_NAME,
+        SqlState::UNDEFINED_TABLE,
+        SqlState::UNDEFINED_COLUMN,
+    ]
+    .contains(code)
+    {
+        format!("table {} (PostgreSQL says: {})", names.qtable, db.message())
+    } else if *code == SqlState::CHECK_VIOLATION
+        && db.constraint() == Some(names.state_check.as_str())
+    {
+        format!(
+            "schema version {SCHEMA_VERSION} of table {} (the table predates it: its \
+             constraint {} refused a state this version of idem-postgres writes)",
+            names.qtable, names.qstate_check
+        )
+    } else {
+        return None;
+    };
+    Some(Error::not_set_up(STORE, missing, fix(names)))
+}
+
+/// How to set the schema up, for [`Error::NotSetUp`].
+pub(crate) fn fix(names: &Names) -> String {
+    format!(
+        "run PostgresStore::migrate() once (at deploy time or start-up) to create or upgrade it, \
+         or apply the SQL of idem_postgres::ddl(\"{}\", \"{}\") with your own migration tool",
+        names.schema, names.table
+    )
+}
+
 /// Maps a pool error: timeouts, a closed pool and connection failures are
 /// [`Error::Unavailable`].
 pub(crate) fn map_pool(e: PoolError) -> Error {
@@ -80,12 +134,6 @@ pub(crate) fn map_pool(e: PoolError) -> Error {
         PoolError::PostCreateHook(_) | PoolError::NoRuntimeSpecified => Error::backend(STORE, e),
     }
 }
-
-/// The client gave up on a statement (the server did not answer within the statement timeout
-/// plus a margin).
-#[derive(Debug, thiserror::Error)]
-#[error("no answer from PostgreSQL within {0:?}; the connection was dropped")]
-pub struct ClientTimeout(pub std::time::Duration);
 
 /// Acquire kept seeing the record change under it (a pathological write storm on one key).
 #[derive(Debug, thiserror::Error)]

@@ -1,10 +1,13 @@
 //! The crate-owned schema and its versioned migrations.
 
+use idem_core::StateKind;
+
 use crate::sql::Names;
 
 /// One step of the schema's history. Steps are applied in order, each once, inside one
 /// transaction that holds an advisory lock, so several processes can run
-/// [`migrate`](crate::PostgresStore::migrate) at the same time.
+/// [`migrate`](crate::PostgresStore::migrate) at the same time. A step's text never changes
+/// once released: databases record which versions they applied, not what the text was.
 pub(crate) struct Migration {
     pub(crate) version: i32,
     pub(crate) description: &'static str,
@@ -12,14 +15,31 @@ pub(crate) struct Migration {
 }
 
 /// Every migration this version of the crate knows, oldest first.
-pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "records table, token sequence, expiry index",
-    sql: v1,
-}];
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "records table, token sequence, expiry index",
+        sql: v1,
+    },
+    Migration {
+        version: 2,
+        description: "failure kind result_not_stored (state failed_result_not_stored)",
+        sql: v2,
+    },
+];
 
 /// The latest schema version this crate knows.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
+
+/// `'in_progress', 'released', ...`: the `state` column's allowed values (the
+/// [`StateKind::name`] of every state), as SQL literals.
+fn state_list() -> String {
+    StateKind::ALL
+        .iter()
+        .map(|s| format!("'{}'", s.name()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 fn v1(n: &Names) -> String {
     let Names {
@@ -50,9 +70,48 @@ fn v1(n: &Names) -> String {
     )
 }
 
+/// Version 2: the state `failed_result_not_stored` ([`FailureKind::ResultNotStored`]).
+///
+/// The `state` column keeps [`StateKind::name`], so a new failure kind is a new allowed value:
+/// the v1 check constraint (named `<table>_state_check` by PostgreSQL) is replaced by one that
+/// also allows it. The new constraint is added `NOT VALID`, so this step holds its exclusive lock
+/// only for a catalog change and never scans the table: every existing row already satisfies it
+/// (it allows a superset of v1's values), and new rows are checked as usual.
+/// [`migrate`](crate::PostgresStore::migrate) then validates it after the commit, which scans the
+/// table without blocking reads or writes (see [`validate_constraints`]).
+///
+/// [`FailureKind::ResultNotStored`]: idem_core::FailureKind::ResultNotStored
+fn v2(n: &Names) -> String {
+    let Names {
+        qtable,
+        qstate_check,
+        ..
+    } = n;
+    format!(
+        "ALTER TABLE {qtable} DROP CONSTRAINT {qstate_check},             ADD CONSTRAINT {qstate_check} CHECK (state IN ({states})) NOT VALID;",
+        states = state_list()
+    )
+}
+
+/// Statements that validate the constraints migrations add `NOT VALID` (a table scan under a
+/// `SHARE UPDATE EXCLUSIVE` lock, which lets reads and writes go on), run by
+/// [`migrate`](crate::PostgresStore::migrate) after its transaction committed when the catalog
+/// shows them not validated yet. Validating an already valid constraint changes nothing.
+pub(crate) fn validate_constraints(n: &Names) -> Vec<(String, String)> {
+    vec![(
+        n.state_check.clone(),
+        format!(
+            "ALTER TABLE {} VALIDATE CONSTRAINT {}",
+            n.qtable, n.qstate_check
+        ),
+    )]
+}
+
 /// The DDL of the latest schema for `schema`.`table`, as [`migrate`](crate::PostgresStore::migrate)
-/// would create it on an empty database (without the migrations table); for reviews and for
-/// teams that apply schema changes with their own tooling.
+/// would create it on an empty database (without the migrations table): every migration in
+/// order, then the validation of the constraints they add `NOT VALID`. For reviews and for teams
+/// that apply schema changes with their own tooling (who then also record the versions, or never
+/// call `migrate`).
 pub fn ddl(schema: &str, table: &str) -> idem_core::Result<String> {
     crate::config::check_identifier("schema", schema, crate::config::MAX_SCHEMA_LEN)?;
     crate::config::check_identifier("table", table, crate::config::MAX_TABLE_LEN)?;
@@ -61,6 +120,11 @@ pub fn ddl(schema: &str, table: &str) -> idem_core::Result<String> {
     for m in MIGRATIONS {
         out.push(' ');
         out.push_str(&(m.sql)(&names));
+    }
+    for (_, validate) in validate_constraints(&names) {
+        out.push(' ');
+        out.push_str(&validate);
+        out.push(';');
     }
     Ok(out.replace("; ", ";\n"))
 }
@@ -95,4 +159,38 @@ pub struct MigrationReport {
     pub applied: Vec<u32>,
     /// The schema version after the call.
     pub version: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_consecutive_and_end_at_schema_version() {
+        for (i, m) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(m.version as usize, i + 1, "{}", m.description);
+        }
+        assert_eq!(
+            MIGRATIONS.last().map(|m| m.version as u32),
+            Some(SCHEMA_VERSION)
+        );
+    }
+
+    #[test]
+    fn the_state_check_allows_every_state() {
+        let sql = ddl("idem", "records").unwrap();
+        let v2 = sql
+            .lines()
+            .find(|l| l.contains("ADD CONSTRAINT \"records_state_check\""))
+            .unwrap_or_else(|| panic!("no v2 constraint in {sql}"));
+        for state in StateKind::ALL {
+            assert!(v2.contains(&format!("'{}'", state.name())), "{state}: {v2}");
+        }
+        assert!(
+            sql.trim_end().ends_with(
+                "ALTER TABLE \"idem\".\"records\" VALIDATE CONSTRAINT \"records_state_check\";"
+            ),
+            "{sql}"
+        );
+    }
 }

@@ -28,6 +28,11 @@ pub(crate) struct Names {
     pub(crate) qindex: String,
     /// `"schema"`
     pub(crate) qschema: String,
+    /// `table_state_check`: the check constraint on the `state` column (the name PostgreSQL gave
+    /// it in v1, kept by v2).
+    pub(crate) state_check: String,
+    /// `"table_state_check"`
+    pub(crate) qstate_check: String,
 }
 
 impl Names {
@@ -41,6 +46,8 @@ impl Names {
             qmigrations: q(&format!("{table}_migrations")),
             qindex: quote(&format!("{table}_expires_at_idx")),
             qschema: quote(schema),
+            state_check: format!("{table}_state_check"),
+            qstate_check: quote(&format!("{table}_state_check")),
         }
     }
 }
@@ -65,7 +72,24 @@ pub(crate) struct Sql {
     pub(crate) delete: Stmt,
     pub(crate) purge: Stmt,
     pub(crate) record_failure: Stmt,
+    pub(crate) complete_with: Stmt,
+    /// Sent right after `complete_with`, in the same transaction: fails (SQLSTATE `22P02`),
+    /// aborting the transaction, unless that statement completed the record. Every later
+    /// statement of the transaction then fails with `25P02` without running, and the `COMMIT`
+    /// that ends the pipeline rolls back.
+    pub(crate) complete_with_guard: Stmt,
 }
+
+/// The transaction-local setting through which the `complete_with` statement tells the guard
+/// after it whether it completed the record.
+const COMPLETE_WITH_SETTING: &str = "idem.complete_with";
+
+/// What the setting holds when the completion did not apply (written into the statement as a
+/// string literal: it must hold no quote): the guard's error message quotes it
+/// (`invalid input syntax for type integer: "..."`), so the server log says why the transaction
+/// was aborted.
+const NOT_APPLIED: &str = "idem-postgres: the completion did not apply (lease lost, or already completed), so the \
+     statements of the handler are not run";
 
 /// The columns of a record, in the order `get` returns them.
 pub(crate) const RECORD_COLUMNS: &str = "state, fingerprint, token, owner, attempts, \
@@ -176,9 +200,13 @@ impl Sql {
         );
 
         // Fenced transitions: one UPDATE guarded by token, state and retention. When it matches
-        // nothing, the same statement reports the record's current token (from its snapshot) for
-        // `LeaseLost`.
-        let fenced = |set: &str, returning: &str| {
+        // nothing, the same statement reports, from its snapshot, the record's current token and
+        // state (for `LeaseLost`) and whether the record is exactly what this transition leaves
+        // behind under the caller's token (`replayed`: the transition was re-sent after it took
+        // effect, which answers `Ok`; the rule of `idem_core::machine::Finish::is_done_in`).
+        // `same` is that condition on the record `c`; texts are compared under `COLLATE "C"`,
+        // that is byte for byte, whatever the database's collation.
+        let fenced = |set: &str, returning: &str, same: &str, extra: &str| {
             format!(
                 "WITH clk AS MATERIALIZED (SELECT clock_timestamp() AS now), \
                  upd AS (\
@@ -187,9 +215,11 @@ impl Sql {
                         AND r.state = 'in_progress' AND {live_r} \
                     RETURNING {returning}) \
                  SELECT clk.now, upd.ok IS NOT NULL AS done, upd.lease_expires_at, \
-                    cur.token AS current_token, cur.state AS current_state \
+                    cur.token AS current_token, cur.state AS current_state, \
+                    COALESCE(cur.replayed, false) AS replayed{extra} \
                  FROM clk LEFT JOIN upd ON true LEFT JOIN LATERAL (\
-                    SELECT c.token, c.state FROM {t} c \
+                    SELECT c.token, c.state, (c.token = $3::bigint AND {same}) AS replayed \
+                    FROM {t} c \
                     WHERE c.namespace = $1::text AND c.id = $2::text AND {live_c}) cur ON true",
                 live_r = live("r", "clk.now"),
                 live_c = live("c", "clk.now"),
@@ -200,25 +230,49 @@ impl Sql {
             "lease_expires_at = clk.now + $4::bigint * interval '1 microsecond', \
              updated_at = clk.now",
             "true AS ok, r.lease_expires_at",
+            "false",
+            "",
         );
         // Params: $1 namespace, $2 id, $3 token, $4 result, $5 retention (µs).
         let complete = fenced(
             "state = 'completed', result = $4::bytea, lease_expires_at = NULL, \
              updated_at = clk.now, expires_at = clk.now + $5::bigint * interval '1 microsecond'",
             "true AS ok, NULL::timestamptz AS lease_expires_at",
+            "c.state = 'completed' AND c.result = $4::bytea",
+            "",
         );
-        // Params: $1 namespace, $2 id, $3 token, $4 error, $5 retryable, $6 retention (µs).
+        // Params: $1 namespace, $2 id, $3 token, $4 error, $5 state (`failed_<kind>`),
+        // $6 retention (µs).
         let fail = fenced(
-            "state = CASE WHEN $5::boolean THEN 'failed_retryable' ELSE 'failed_terminal' END, \
-             error = $4::text, lease_expires_at = NULL, updated_at = clk.now, \
+            "state = $5::text, error = $4::text, lease_expires_at = NULL, updated_at = clk.now, \
              expires_at = clk.now + $6::bigint * interval '1 microsecond'",
             "true AS ok, NULL::timestamptz AS lease_expires_at",
+            "c.state = $5::text AND c.error COLLATE \"C\" = $4::text COLLATE \"C\"",
+            "",
         );
         // Params: $1 namespace, $2 id, $3 token.
         let release = fenced(
             "state = 'released', attempts = GREATEST(r.attempts - 1, 0), \
              lease_expires_at = NULL, updated_at = clk.now",
             "true AS ok, NULL::timestamptz AS lease_expires_at",
+            "c.state = 'released'",
+            "",
+        );
+        // `complete_with` (the transactional completion): the `complete` statement, which also
+        // arms the guard that follows it in the same transaction (`COMPLETE_WITH_GUARD`): the
+        // transaction-local setting `idem.complete_with` is '1' when this statement completed the
+        // record, and otherwise a text that cannot be read as an integer, so the guard fails and
+        // aborts the transaction before any of the handler's statements runs.
+        // Params: as `complete`.
+        let complete_with = fenced(
+            "state = 'completed', result = $4::bytea, lease_expires_at = NULL, \
+             updated_at = clk.now, expires_at = clk.now + $5::bigint * interval '1 microsecond'",
+            "true AS ok, NULL::timestamptz AS lease_expires_at",
+            "c.state = 'completed' AND c.result = $4::bytea",
+            &format!(
+                ", set_config('{COMPLETE_WITH_SETTING}', CASE WHEN upd.ok IS NOT NULL THEN '1' \
+                 ELSE '{NOT_APPLIED}' END, true) AS armed"
+            ),
         );
 
         // Params: $1 namespace, $2 id.
@@ -255,16 +309,14 @@ impl Sql {
         // (`55P03`) means someone else holds the key right now, so the attempt is definitely not
         // counted, which the caller reports as "not recorded" rather than waiting until the
         // statement timeout.
-        // Params: $1 namespace, $2 id, $3 fingerprint, $4 owner, $5 error, $6 retryable,
-        // $7 retention (µs), $8 max attempts, $9 lock timeout (ms, as text).
+        // Params: $1 namespace, $2 id, $3 fingerprint, $4 owner, $5 error, $6 state
+        // (`failed_<kind>`), $7 retention (µs), $8 max attempts, $9 lock timeout (ms, as text).
         let record_failure = format!(
             "WITH clk AS MATERIALIZED (\
                 SELECT clock_timestamp() AS now, set_config('lock_timeout', $9::text, true) AS lt) \
              INSERT INTO {t} AS r (namespace, id, state, fingerprint, token, owner, attempts, \
                 lease_expires_at, result, error, created_at, updated_at, expires_at) \
-             SELECT $1::text, $2::text, \
-                CASE WHEN $6::boolean THEN 'failed_retryable' ELSE 'failed_terminal' END, \
-                $3::bytea, nextval({seq}), $4::text, 1, NULL, NULL, $5::text, clk.now, clk.now, \
+             SELECT $1::text, $2::text, $6::text, $3::bytea, nextval({seq}), $4::text, 1, NULL, NULL, $5::text, clk.now, clk.now, \
                 clk.now + $7::bigint * interval '1 microsecond' \
              FROM clk \
              ON CONFLICT (namespace, id) DO UPDATE SET \
@@ -313,7 +365,7 @@ impl Sql {
             },
             fail: Stmt {
                 sql: fail,
-                types: &[T::TEXT, T::TEXT, T::INT8, T::TEXT, T::BOOL, T::INT8],
+                types: &[T::TEXT, T::TEXT, T::INT8, T::TEXT, T::TEXT, T::INT8],
             },
             release: Stmt {
                 sql: release,
@@ -331,6 +383,16 @@ impl Sql {
                 sql: purge,
                 types: &[T::INT8],
             },
+            complete_with: Stmt {
+                sql: complete_with,
+                types: &[T::TEXT, T::TEXT, T::INT8, T::BYTEA, T::INT8],
+            },
+            complete_with_guard: Stmt {
+                sql: format!(
+                    "SELECT current_setting('{COMPLETE_WITH_SETTING}')::integer AS applied"
+                ),
+                types: &[],
+            },
             record_failure: Stmt {
                 sql: record_failure,
                 types: &[
@@ -339,7 +401,7 @@ impl Sql {
                     T::BYTEA,
                     T::TEXT,
                     T::TEXT,
-                    T::BOOL,
+                    T::TEXT,
                     T::INT8,
                     T::INT8,
                     T::TEXT,

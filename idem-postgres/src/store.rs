@@ -9,15 +9,17 @@ use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use idem_core::machine::{self, AcquireDecision};
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Error, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Lease, Limits, Record, RecordState, Result, check_lease_ttl, check_retention,
+    AcquireOutcome, AcquireRequest, Error, FailureKind, FencingToken, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Lease, Limits, Record, RecordState, Result, StateKind, check_lease_ttl,
 };
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Statement};
 
 use crate::config::PostgresConfig;
-use crate::error::{ClientTimeout, Contention, STORE, map_pg, map_pool};
-use crate::schema::{MIGRATIONS, MigrationReport, advisory_key, migrations_table};
+use crate::error::{Contention, STORE, map_pg, map_pool, map_store_pg};
+use crate::schema::{
+    MIGRATIONS, MigrationReport, advisory_key, migrations_table, validate_constraints,
+};
 use crate::sql::{Names, Sql, Stmt};
 
 /// How many times one call re-runs its statement when the record changed between the
@@ -133,7 +135,9 @@ impl PostgresStore {
     /// Creates or upgrades the schema: the schema itself when missing, the records table, the
     /// token sequence, the index the sweeper uses, and a `<table>_migrations` table recording
     /// which versions were applied. Safe to run concurrently from several processes (an advisory
-    /// lock serializes them) and to run again (it applies only what is missing).
+    /// lock serializes them) and to run again (it applies only what is missing). A table created
+    /// by an older version of the crate is upgraded in place; see the crate docs, "Schema
+    /// versions".
     ///
     /// # Errors
     /// [`Error::Unavailable`] or [`Error::Backend`] from the server (for instance missing
@@ -143,9 +147,39 @@ impl PostgresStore {
         // Every statement has the server-side statement timeout; this bounds the whole against a
         // server that stopped answering.
         let limit = self.inner.op_timeout * 10;
-        tokio::time::timeout(limit, self.migrate_unbounded())
+        let report = tokio::time::timeout(limit, self.migrate_unbounded())
             .await
-            .map_err(|_| Error::unavailable(STORE, ClientTimeout(limit)))?
+            .map_err(|_| Error::timed_out(STORE, limit))??;
+        tokio::time::timeout(limit, self.validate_constraints())
+            .await
+            .map_err(|_| Error::timed_out(STORE, limit))??;
+        Ok(report)
+    }
+
+    /// Validates the constraints migrations added `NOT VALID` (see `schema.rs`), each only when
+    /// the catalog shows it not validated yet, after the migration committed: the scan runs
+    /// under a lock that lets reads and writes go on. If it is interrupted, the next `migrate`
+    /// finishes it; meanwhile the constraint already checks every new row.
+    async fn validate_constraints(&self) -> Result<()> {
+        let n = &self.inner.names;
+        let client = self.conn().await?;
+        for (name, validate) in validate_constraints(n) {
+            let pending = client
+                .query_opt(
+                    "SELECT 1 FROM pg_catalog.pg_constraint \
+                     WHERE conrelid = $1::text::regclass AND conname = $2::text \
+                        AND NOT convalidated",
+                    &[&n.qtable, &name],
+                )
+                .await
+                .map_err(map_pg)?
+                .is_some();
+            if pending {
+                client.batch_execute(&validate).await.map_err(map_pg)?;
+                tracing::info!(table = %n.qtable, constraint = %name, "idem-postgres constraint validated");
+            }
+        }
+        Ok(())
     }
 
     async fn migrate_unbounded(&self) -> Result<MigrationReport> {
@@ -264,7 +298,7 @@ impl PostgresStore {
             client.query(&prepared, params).await
         };
         let result = tokio::time::timeout(self.inner.op_timeout, run).await;
-        settle(client, result, self.inner.op_timeout)
+        settle(client, result, self.inner.op_timeout, &self.inner.names)
     }
 
     /// Like [`query`](Self::query), returning the affected row count.
@@ -275,7 +309,7 @@ impl PostgresStore {
             client.execute(&prepared, params).await
         };
         let result = tokio::time::timeout(self.inner.op_timeout, run).await;
-        settle(client, result, self.inner.op_timeout)
+        settle(client, result, self.inner.op_timeout, &self.inner.names)
     }
 
     /// Runs one fenced transition, re-running it when its snapshot and its row lock disagreed.
@@ -321,9 +355,10 @@ fn make_manager(
     }
 }
 
-/// Finishes a statement run on a pooled connection: maps errors, and detaches the connection
-/// from the pool when it timed out or failed at the connection level (so a half-read or dead
-/// connection is never handed out again).
+/// Finishes one of the store's statements run on a pooled connection: maps errors (a missing
+/// or outdated schema to [`Error::NotSetUp`]), and detaches the connection from the pool when it
+/// timed out or failed at the connection level (so a half-read or dead connection is never
+/// handed out again).
 fn settle<T>(
     client: Object,
     result: std::result::Result<
@@ -331,6 +366,7 @@ fn settle<T>(
         tokio::time::error::Elapsed,
     >,
     op_timeout: Duration,
+    names: &Names,
 ) -> Result<T> {
     match result {
         Ok(Ok(value)) => Ok(value),
@@ -338,11 +374,11 @@ fn settle<T>(
             if crate::error::is_connection_error(&e) {
                 drop(Object::take(client));
             }
-            Err(map_pg(e))
+            Err(map_store_pg(e, names))
         }
         Err(_) => {
             drop(Object::take(client));
-            Err(Error::unavailable(STORE, ClientTimeout(op_timeout)))
+            Err(Error::timed_out(STORE, op_timeout))
         }
     }
 }
@@ -395,7 +431,7 @@ fn corrupt(key: &IdempotencyKey, reason: impl Into<String>) -> Error {
     Error::corrupt(STORE, key.to_string(), reason)
 }
 
-fn column<'r, T: tokio_postgres::types::FromSql<'r>>(
+pub(crate) fn column<'r, T: tokio_postgres::types::FromSql<'r>>(
     row: &'r Row,
     name: &str,
     key: &IdempotencyKey,
@@ -404,10 +440,20 @@ fn column<'r, T: tokio_postgres::types::FromSql<'r>>(
         .map_err(|e| corrupt(key, format!("column {name}: {e}")))
 }
 
-fn token_of(raw: i64, key: &IdempotencyKey) -> Result<FencingToken> {
+pub(crate) fn token_of(raw: i64, key: &IdempotencyKey) -> Result<FencingToken> {
     u64::try_from(raw)
         .map(FencingToken::new)
         .map_err(|_| corrupt(key, format!("negative token {raw}")))
+}
+
+/// The [`StateKind`] a `state` column holds (its [`StateKind::name`]).
+pub(crate) fn state_kind(name: &str, key: &IdempotencyKey) -> Result<StateKind> {
+    StateKind::from_name(name).ok_or_else(|| corrupt(key, format!("unknown state {name:?}")))
+}
+
+/// The `state` column's value for a failure of `kind`.
+pub(crate) fn failed_state(kind: FailureKind) -> &'static str {
+    StateKind::Failed(kind).name()
 }
 
 /// Decodes a record from a row holding the columns of [`crate::sql::RECORD_COLUMNS`] by name.
@@ -415,15 +461,15 @@ pub(crate) fn decode_record(row: &Row, key: &IdempotencyKey) -> Result<Record> {
     let state_name: String = column(row, "state", key)?;
     let result: Option<Vec<u8>> = column(row, "result", key)?;
     let error: Option<String> = column(row, "error", key)?;
-    let state = match state_name.as_str() {
-        "in_progress" => RecordState::InProgress,
-        "released" => RecordState::Released,
-        "completed" => RecordState::Completed {
+    let state = match state_kind(&state_name, key)? {
+        StateKind::InProgress => RecordState::InProgress,
+        StateKind::Released => RecordState::Released,
+        StateKind::Completed => RecordState::Completed {
             result: Bytes::from(result.ok_or_else(|| corrupt(key, "completed without result"))?),
         },
-        "failed_retryable" | "failed_terminal" => RecordState::Failed {
+        StateKind::Failed(kind) => RecordState::Failed {
             error: error.ok_or_else(|| corrupt(key, "failed without error"))?,
-            retryable: state_name == "failed_retryable",
+            kind,
         },
         other => return Err(corrupt(key, format!("unknown state {other:?}"))),
     };
@@ -497,44 +543,33 @@ pub(crate) fn acquire_outcome(
     }
 }
 
-/// Classifies the row of a fenced statement: `Some(Ok(..))` done, `Some(Err(LeaseLost))`
-/// refused, `None` when the snapshot still showed the lease as current although the update did
-/// not match (a concurrent writer got in between): run it again to learn the current token.
-fn fenced_outcome(row: Option<&Row>, lease: &Lease) -> Result<Option<Result<Option<SystemTime>>>> {
+/// Classifies the row of a fenced statement: `Some(Ok(..))` done (applied, or replayed: the
+/// same transition already finished the record under this token), `Some(Err(LeaseLost))`
+/// refused, saying what the statement found; `None` when the snapshot still showed the lease as
+/// current although the update did not match (a concurrent writer, such as an earlier send of
+/// this very call, got in between): run it again to see what it left.
+pub(crate) fn fenced_outcome(
+    row: Option<&Row>,
+    lease: &Lease,
+) -> Result<Option<Result<Option<SystemTime>>>> {
     let key = &lease.key;
     let row = row.ok_or_else(|| corrupt(key, "fenced statement returned no row"))?;
     if column::<bool>(row, "done", key)? {
         return Ok(Some(Ok(column(row, "lease_expires_at", key)?)));
     }
+    if column::<bool>(row, "replayed", key)? {
+        return Ok(Some(Ok(None)));
+    }
     let current: Option<i64> = column(row, "current_token", key)?;
     let state: Option<String> = column(row, "current_state", key)?;
-    let current = current.map(|t| token_of(t, key)).transpose()?;
-    if current == Some(lease.token) && state.as_deref() == Some("in_progress") {
+    let found = match (current, state) {
+        (Some(token), Some(state)) => Some((token_of(token, key)?, state_kind(&state, key)?)),
+        _ => None,
+    };
+    if found == Some((lease.token, StateKind::InProgress)) {
         return Ok(None);
     }
-    Ok(Some(Err(Error::LeaseLost {
-        key: key.clone(),
-        presented: lease.token,
-        current,
-    })))
-}
-
-/// Replaces NUL (which PostgreSQL text cannot hold) and cuts an error message to `max` bytes on a
-/// character boundary, so recording a failure never fails because of the message's content.
-pub(crate) fn storable_error(error: &str, max: usize) -> String {
-    let mut s = error.replace('\0', "\u{fffd}");
-    if s.len() > max {
-        let mut cut = max.saturating_sub(3);
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push('…');
-        while s.len() > max {
-            s.pop();
-        }
-    }
-    s
+    Ok(Some(Err(Error::lease_lost(lease, found))))
 }
 
 #[async_trait]
@@ -588,8 +623,10 @@ impl IdempotencyStore for PostgresStore {
     }
 
     async fn complete(&self, lease: &Lease, result: Bytes, retention: Duration) -> Result<()> {
-        check_retention(retention)?;
-        self.inner.config.limits.check_result(&result)?;
+        self.inner
+            .config
+            .limits
+            .check_complete(&result, retention)?;
         let token = lease.token.get() as i64;
         let retention_us = micros(retention);
         let result: &[u8] = &result;
@@ -612,12 +649,11 @@ impl IdempotencyStore for PostgresStore {
         &self,
         lease: &Lease,
         error: &str,
-        retryable: bool,
+        kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        check_retention(retention)?;
-        self.inner.config.limits.check_error(error)?;
-        let error = storable_error(error, usize::MAX);
+        self.inner.config.limits.check_fail(error, retention)?;
+        let state = failed_state(kind);
         let token = lease.token.get() as i64;
         let retention_us = micros(retention);
         self.fenced(
@@ -628,7 +664,7 @@ impl IdempotencyStore for PostgresStore {
                 &lease.key.id(),
                 &token,
                 &error,
-                &retryable,
+                &state,
                 &retention_us,
             ],
         )
@@ -677,6 +713,19 @@ impl IdempotencyStore for PostgresStore {
 }
 
 impl PostgresStore {
+    /// Asks the server to cancel the statement running on the connection of `token`, if any
+    /// (best effort, bounded by `connect_timeout`: it opens a connection of its own).
+    pub(crate) async fn cancel(&self, token: &tokio_postgres::CancelToken) {
+        let limit = self.inner.config.connect_timeout;
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &self.inner.config.tls {
+            let tls = tokio_postgres_rustls::MakeRustlsConnect::new((**tls).clone());
+            let _ = tokio::time::timeout(limit, token.cancel_query(tls)).await;
+            return;
+        }
+        let _ = tokio::time::timeout(limit, token.cancel_query(tokio_postgres::NoTls)).await;
+    }
+
     /// The outcome of an acquire that hit the lock timeout: the key is held by an open
     /// transaction.
     pub(crate) fn locked_outcome(&self) -> AcquireOutcome {
@@ -696,19 +745,4 @@ pub(crate) fn is_lock_timeout(e: &Error) -> bool {
         .downcast_ref::<tokio_postgres::Error>()
         .and_then(tokio_postgres::Error::code)
         .is_some_and(|c| *c == tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn storable_error_is_cut_on_char_boundaries() {
-        assert_eq!(storable_error("a\0b", 100), "a\u{fffd}b");
-        let long = "é".repeat(100);
-        let cut = storable_error(&long, 51);
-        assert!(cut.len() <= 51, "{}", cut.len());
-        assert!(cut.ends_with('…'));
-        assert_eq!(storable_error("short", 5), "short");
-    }
 }

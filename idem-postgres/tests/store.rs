@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use common::proxy::{Counts, Proxy};
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Error, Fingerprint, IdempotencyStore, Namespace,
-    RecordState,
+    AcquireOutcome, AcquireRequest, Bytes, Error, FailureKind, Fingerprint, IdempotencyStore,
+    LostLease, Namespace, RecordState, StateKind,
 };
-use idem_postgres::{PostgresConfig, PostgresStore, SweeperConfig, ddl};
+use idem_postgres::{PostgresConfig, PostgresStore, SweeperConfig, Transition, ddl};
 
 fn ns() -> Namespace {
     Namespace::new(format!("t-{:08x}", rand::random::<u32>())).unwrap()
@@ -28,6 +28,9 @@ const RETENTION: Duration = Duration::from_secs(3600);
 
 #[tokio::test]
 async fn migrate_is_idempotent_and_concurrent() {
+    if !common::server() {
+        return;
+    }
     let schema = common::fresh_schema();
     let config = common::config(&schema).with_table("concurrent_mig");
     let store = PostgresStore::connect(config).await.unwrap();
@@ -44,7 +47,11 @@ async fn migrate_is_idempotent_and_concurrent() {
     assert_eq!(
         applied.iter().filter(|a| !a.is_empty()).count(),
         1,
-        "exactly one run applies the migration: {applied:?}"
+        "exactly one run applies the migrations: {applied:?}"
+    );
+    assert!(
+        applied.contains(&vec![1, 2]),
+        "every version, in order: {applied:?}"
     );
     let again = store.migrate().await.unwrap();
     assert!(again.applied.is_empty(), "{again:?}");
@@ -57,7 +64,10 @@ async fn migrate_is_idempotent_and_concurrent() {
         )
         .await
         .unwrap();
-    assert_eq!(row.get::<_, i64>(0), 1);
+    assert_eq!(
+        row.get::<_, i64>(0),
+        i64::from(idem_postgres::SCHEMA_VERSION)
+    );
     let idx = admin
         .query_one(
             "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND indexname = 'concurrent_mig_expires_at_idx'",
@@ -134,7 +144,9 @@ async fn hostile_identifiers_are_rejected_before_any_statement() {
 
 #[tokio::test]
 async fn hostile_keys_cannot_change_a_query() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let ns = ns();
     let ids = [
         "'",
@@ -226,13 +238,9 @@ async fn counted<T>(proxy: &Proxy, op: impl std::future::Future<Output = T>) -> 
 /// One statement execution and one round trip per transition, counted on the wire.
 #[tokio::test]
 async fn one_statement_per_transition() {
-    let _ = common::store().await; // migrated schema
-    let proxy = Proxy::start(common::upstream_addr().await).await;
-    let store = PostgresStore::connect(
-        common::config_via(proxy.addr, common::run_schema()).with_pool_size(1),
-    )
-    .await
-    .unwrap();
+    let Some((store, proxy)) = common::proxied_store(|c| c.with_pool_size(1)).await else {
+        return;
+    };
     let ns = ns();
     let key = |i: u32| ns.key(format!("k{i}")).unwrap();
 
@@ -251,7 +259,10 @@ async fn one_statement_per_transition() {
             .await
             .unwrap(),
     );
-    store.fail(&lease, "x", true, RETENTION).await.unwrap();
+    store
+        .fail(&lease, "x", FailureKind::Retryable, RETENTION)
+        .await
+        .unwrap();
     let lease = acquired(
         store
             .acquire(&AcquireRequest::new(key(0), "w"))
@@ -295,6 +306,9 @@ async fn one_statement_per_transition() {
     let (r, c) = counted(&proxy, async { store.release(&lease).await }).await;
     r.unwrap();
     report.push(("release", c));
+    let (r, c) = counted(&proxy, async { store.release(&lease).await }).await;
+    r.unwrap();
+    report.push(("release (replayed)", c));
     let (lease, c) = counted(&proxy, async {
         store.acquire(&AcquireRequest::new(key(1), "w")).await
     })
@@ -302,11 +316,21 @@ async fn one_statement_per_transition() {
     let lease = acquired(lease.unwrap());
     report.push(("acquire (after release)", c));
     let (r, c) = counted(&proxy, async {
-        store.fail(&lease, "boom", true, RETENTION).await
+        store
+            .fail(&lease, "boom", FailureKind::Retryable, RETENTION)
+            .await
     })
     .await;
     r.unwrap();
     report.push(("fail", c));
+    let (r, c) = counted(&proxy, async {
+        store
+            .fail(&lease, "boom", FailureKind::Retryable, RETENTION)
+            .await
+    })
+    .await;
+    r.unwrap();
+    report.push(("fail (replayed)", c));
     let (lease, c) = counted(&proxy, async {
         store.acquire(&AcquireRequest::new(key(1), "w")).await
     })
@@ -322,6 +346,14 @@ async fn one_statement_per_transition() {
     r.unwrap();
     report.push(("complete", c));
     let (r, c) = counted(&proxy, async {
+        store
+            .complete(&lease, Bytes::from_static(b"done"), RETENTION)
+            .await
+    })
+    .await;
+    r.unwrap();
+    report.push(("complete (replayed)", c));
+    let (r, c) = counted(&proxy, async {
         store.acquire(&AcquireRequest::new(key(1), "w")).await
     })
     .await;
@@ -333,8 +365,19 @@ async fn one_statement_per_transition() {
             .await
     })
     .await;
-    assert!(matches!(r, Err(Error::LeaseLost { .. })), "{r:?}");
-    report.push(("complete (fenced out: LeaseLost)", c));
+    assert!(
+        matches!(
+            r,
+            Err(Error::LeaseLost {
+                why: LostLease::NotInProgress {
+                    state: StateKind::Completed
+                },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    report.push(("complete (other bytes: LeaseLost)", c));
     let (r, c) = counted(&proxy, async { store.get(&key(1)).await }).await;
     r.unwrap().unwrap();
     report.push(("get", c));
@@ -359,7 +402,9 @@ async fn one_statement_per_transition() {
 #[tokio::test]
 async fn sweeper_purges_in_batches_and_runs_concurrently() {
     let schema = common::fresh_schema();
-    let store = common::store_with(common::config(&schema).with_table("sweep")).await;
+    let Some(store) = common::store_with(common::config(&schema).with_table("sweep")).await else {
+        return;
+    };
     let ns = ns();
     let n = 250;
     for i in 0..n {
@@ -454,7 +499,14 @@ async fn unreachable_server_fails_fast_with_unavailable() {
         ),
         "{r:?}"
     );
-    assert!(r.unwrap_err().is_retryable());
+    let e = r.unwrap_err();
+    assert!(e.is_retryable());
+    // Display shows the cause below the driver's own words.
+    let text = e.to_string();
+    assert!(
+        text.starts_with("postgres store unavailable: error connecting to server: "),
+        "{text}"
+    );
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "{:?}",
@@ -466,17 +518,16 @@ async fn unreachable_server_fails_fast_with_unavailable() {
 /// one that stops answering mid-session: both end in `Unavailable` within the configured bounds.
 #[tokio::test]
 async fn silent_server_fails_fast_with_unavailable() {
-    let _ = common::store().await;
-    let proxy = Proxy::start(common::upstream_addr().await).await;
-    let store = PostgresStore::connect(
-        common::config_via(proxy.addr, common::run_schema())
-            .with_pool_size(1)
+    let Some((store, proxy)) = common::proxied_store(|c| {
+        c.with_pool_size(1)
             .with_connect_timeout(Duration::from_millis(500))
             .with_lock_timeout(Duration::from_millis(200))
-            .with_statement_timeout(Duration::from_millis(500)),
-    )
+            .with_statement_timeout(Duration::from_millis(500))
+    })
     .await
-    .unwrap();
+    else {
+        return;
+    };
     let key = ns().key("k").unwrap();
 
     proxy.freeze(true);
@@ -514,12 +565,15 @@ async fn silent_server_fails_fast_with_unavailable() {
 #[tokio::test]
 async fn killed_connections_are_retryable() {
     let app = format!("idem-kill-{:08x}", rand::random::<u32>());
-    let store = common::store_with(
+    let Some(store) = common::store_with(
         common::config(common::run_schema())
             .with_application_name(app.clone())
             .with_pool_size(2),
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     let admin = common::admin().await;
     let ns = ns();
     let mut unavailable = 0;
@@ -565,7 +619,10 @@ async fn killed_connections_are_retryable() {
 #[tokio::test]
 async fn undecodable_row_is_corrupt_record() {
     let schema = common::fresh_schema();
-    let store = common::store_with(common::config(&schema).with_table("corrupt")).await;
+    let Some(store) = common::store_with(common::config(&schema).with_table("corrupt")).await
+    else {
+        return;
+    };
     let admin = common::admin().await;
     let ns = ns();
     let key = ns.key("bad").unwrap();
@@ -623,11 +680,14 @@ async fn undecodable_row_is_corrupt_record() {
 
 #[tokio::test]
 async fn oversized_and_bad_input_write_nothing() {
-    let store = common::store_with(
+    let Some(store) = common::store_with(
         common::config(common::run_schema())
             .with_limits(idem_core::Limits::default().with_max_result_len(8)),
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     let key = ns().key("k").unwrap();
     let lease = acquired(
         store
@@ -669,26 +729,24 @@ async fn oversized_and_bad_input_write_nothing() {
     let record = store.get(&key).await.unwrap().unwrap();
     assert_eq!(record.state, RecordState::InProgress);
     assert_eq!(record.attempts, 1);
-    // An error message with NUL (which PostgreSQL text cannot hold) is still recorded.
-    store
-        .fail(&lease, "bad\0byte", false, RETENTION)
-        .await
-        .unwrap();
-    let record = store.get(&key).await.unwrap().unwrap();
-    assert_eq!(
-        record.state,
-        RecordState::Failed {
-            error: "bad\u{fffd}byte".into(),
-            retryable: false
-        }
+    // An error text with NUL (which PostgreSQL text cannot hold) is refused, never altered.
+    let r = store
+        .fail(&lease, "bad\0byte", FailureKind::Terminal, RETENTION)
+        .await;
+    assert!(
+        matches!(r, Err(Error::InvalidInput { field: "error", .. })),
+        "{r:?}"
     );
+    assert_eq!(store.get(&key).await.unwrap().unwrap(), record);
 }
 
 /// The store's clock is the server's: a lease's end is server time + ttl, whatever the caller's
 /// clock says.
 #[tokio::test]
 async fn leases_use_the_server_clock() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let admin = common::admin().await;
     let key = ns().key("clock").unwrap();
     let before: std::time::SystemTime = admin
@@ -713,4 +771,387 @@ async fn leases_use_the_server_clock() {
     assert_eq!(record.lease_expires_at, Some(lease.expires_at));
     assert!(record.created_at >= before && record.created_at <= after);
     assert_eq!(record.expires_at, None);
+}
+
+/// Asserts `r` is `NotSetUp` for `table`, saying to run `migrate`; returns its text.
+#[track_caller]
+fn assert_not_set_up<T: std::fmt::Debug>(
+    what: &str,
+    r: idem_core::Result<T>,
+    table: &str,
+) -> String {
+    match r {
+        Err(e @ Error::NotSetUp { .. }) => {
+            let Error::NotSetUp {
+                store,
+                missing,
+                fix,
+            } = &e
+            else {
+                unreachable!()
+            };
+            assert_eq!(*store, "postgres", "{what}");
+            assert!(
+                missing.contains(table),
+                "{what}: {missing:?} should name {table}"
+            );
+            assert!(
+                fix.contains("PostgresStore::migrate()") && fix.contains("idem_postgres::ddl("),
+                "{what}: {fix:?}"
+            );
+            e.to_string()
+        }
+        other => panic!("{what}: expected NotSetUp naming {table}, got {other:?}"),
+    }
+}
+
+/// A database the store's statements cannot run on (no schema, no table, a missing column)
+/// answers `NotSetUp`, naming the table and saying how to create it, on every path.
+#[tokio::test]
+async fn unmigrated_database_is_not_set_up() {
+    if !common::server() {
+        return;
+    }
+    let admin = common::admin().await;
+    let schema = common::fresh_schema();
+    let store = PostgresStore::connect(common::config(&schema).with_table("unmigrated"))
+        .await
+        .unwrap();
+    let table = format!("\"{schema}\".\"unmigrated\"");
+    let key = ns().key("k").unwrap();
+    let req = AcquireRequest::new(key.clone(), "w");
+
+    // No schema at all (3F000 or 42P01, depending on the statement).
+    let text = assert_not_set_up("acquire", store.acquire(&req).await, &table);
+    assert!(
+        text.starts_with(&format!("postgres store is not set up: table {table}")),
+        "{text}"
+    );
+    assert!(text.contains("run PostgresStore::migrate()"), "{text}");
+    assert_not_set_up("get", store.get(&key).await, &table);
+    assert_not_set_up("delete", store.delete(&key).await, &table);
+    assert_not_set_up("purge", store.purge_expired(10).await, &table);
+    let lease = idem_core::Lease {
+        key: key.clone(),
+        owner: "w".into(),
+        token: idem_core::FencingToken::new(1),
+        attempt: 1,
+        expires_at: std::time::SystemTime::now(),
+    };
+    assert_not_set_up(
+        "complete",
+        store
+            .complete(&lease, Bytes::from_static(b"r"), RETENTION)
+            .await,
+        &table,
+    );
+    assert_not_set_up(
+        "fail",
+        store
+            .fail(&lease, "e", FailureKind::Terminal, RETENTION)
+            .await,
+        &table,
+    );
+    assert_not_set_up("release", store.release(&lease).await, &table);
+    assert_not_set_up(
+        "extend",
+        store.extend(&lease, Duration::from_secs(1)).await,
+        &table,
+    );
+    let r = store
+        .transactional(&req, RETENTION, |_, _| {
+            Box::pin(async { panic!("the handler must not run") })
+        })
+        .await;
+    assert_not_set_up("transactional", r, &table);
+
+    // The schema exists, the table does not.
+    admin
+        .batch_execute(&format!("CREATE SCHEMA \"{schema}\""))
+        .await
+        .unwrap();
+    assert_not_set_up("acquire (no table)", store.acquire(&req).await, &table);
+
+    // Migrated, then a column dropped by hand (42703).
+    store.migrate().await.unwrap();
+    admin
+        .batch_execute(&format!("ALTER TABLE {table} DROP COLUMN fingerprint"))
+        .await
+        .unwrap();
+    let text = assert_not_set_up("acquire (no column)", store.acquire(&req).await, &table);
+    assert!(text.contains("fingerprint"), "names the column: {text}");
+
+    admin
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .unwrap();
+}
+
+/// The schema as version 1 of the crate created it (frozen copy: what databases in the field
+/// hold), with its bookkeeping row.
+fn v1_schema(schema: &str, table: &str) -> String {
+    let t = format!("\"{schema}\".\"{table}\"");
+    format!(
+        "CREATE SCHEMA IF NOT EXISTS \"{schema}\"; \
+         CREATE SEQUENCE IF NOT EXISTS \"{schema}\".\"{table}_token_seq\" AS bigint MINVALUE 1 NO CYCLE; \
+         CREATE TABLE IF NOT EXISTS {t} (\
+            namespace        text        NOT NULL, \
+            id               text        NOT NULL, \
+            state            text        NOT NULL CHECK (state IN ('in_progress', 'released', \
+                                            'completed', 'failed_retryable', 'failed_terminal')), \
+            fingerprint      bytea       CHECK (octet_length(fingerprint) = 32), \
+            token            bigint      NOT NULL CHECK (token > 0), \
+            owner            text        NOT NULL, \
+            attempts         integer     NOT NULL CHECK (attempts >= 0), \
+            lease_expires_at timestamptz CHECK ((state = 'in_progress') = (lease_expires_at IS NOT NULL)), \
+            result           bytea       CHECK ((state = 'completed') = (result IS NOT NULL)), \
+            error            text        CHECK ((state LIKE 'failed%') = (error IS NOT NULL)), \
+            created_at       timestamptz NOT NULL, \
+            updated_at       timestamptz NOT NULL, \
+            expires_at       timestamptz CHECK ((state IN ('in_progress', 'released')) = (expires_at IS NULL)), \
+            PRIMARY KEY (namespace, id)); \
+         CREATE INDEX IF NOT EXISTS \"{table}_expires_at_idx\" ON {t} (expires_at) WHERE expires_at IS NOT NULL; \
+         CREATE TABLE IF NOT EXISTS \"{schema}\".\"{table}_migrations\" (\
+            version     integer     PRIMARY KEY, \
+            description text        NOT NULL, \
+            applied_at  timestamptz NOT NULL DEFAULT now()); \
+         INSERT INTO \"{schema}\".\"{table}_migrations\" (version, description) \
+            VALUES (1, 'records table, token sequence, expiry index');"
+    )
+}
+
+/// A table created by version 1 of the crate, with records in it, is upgraded in place: until
+/// then the new failure kind answers `NotSetUp`; after `migrate` the old records read as before,
+/// the new kind is stored and replayed, the new constraint is validated, and `migrate` again
+/// does nothing.
+#[tokio::test]
+async fn a_v1_table_is_upgraded_in_place() {
+    if !common::server() {
+        return;
+    }
+    let admin = common::admin().await;
+    let schema = common::fresh_schema();
+    admin
+        .batch_execute(&v1_schema(&schema, "old"))
+        .await
+        .unwrap();
+    let store = PostgresStore::connect(common::config(&schema).with_table("old"))
+        .await
+        .unwrap();
+    let ns = ns();
+    let req = |id: &str| AcquireRequest::new(ns.key(id).unwrap(), "w");
+
+    // Version 1 records, written by this crate before the upgrade.
+    let lease = acquired(store.acquire(&req("done")).await.unwrap());
+    store
+        .complete(&lease, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap();
+    let lease = acquired(store.acquire(&req("terminal")).await.unwrap());
+    store
+        .fail(&lease, "bad", FailureKind::Terminal, RETENTION)
+        .await
+        .unwrap();
+    let lease = acquired(store.acquire(&req("lost")).await.unwrap());
+    let r = store
+        .fail(&lease, "too big", FailureKind::ResultNotStored, RETENTION)
+        .await;
+    let text = assert_not_set_up("a v2 state on v1", r, &format!("\"{schema}\".\"old\""));
+    assert!(text.contains("schema version 2"), "{text}");
+    assert_eq!(
+        store.get(&lease.key).await.unwrap().unwrap().state,
+        RecordState::InProgress,
+        "nothing was written"
+    );
+
+    let report = store.migrate().await.unwrap();
+    assert_eq!(report.applied, vec![2]);
+    assert_eq!(report.version, 2);
+    let validated: bool = admin
+        .query_one(
+            "SELECT convalidated FROM pg_constraint \
+             WHERE conrelid = $1::text::regclass AND conname = 'old_state_check'",
+            &[&format!("\"{schema}\".\"old\"")],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(validated, "migrate validates the new constraint");
+    let again = store.migrate().await.unwrap();
+    assert!(again.applied.is_empty(), "{again:?}");
+
+    assert_eq!(
+        store.acquire(&req("done")).await.unwrap(),
+        AcquireOutcome::Replayed {
+            result: Bytes::from_static(b"r")
+        }
+    );
+    assert_eq!(
+        store.acquire(&req("terminal")).await.unwrap(),
+        AcquireOutcome::Failed {
+            error: "bad".into(),
+            kind: FailureKind::Terminal
+        }
+    );
+    store
+        .fail(&lease, "too big", FailureKind::ResultNotStored, RETENTION)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.acquire(&req("lost")).await.unwrap(),
+        AcquireOutcome::Failed {
+            error: "too big".into(),
+            kind: FailureKind::ResultNotStored
+        }
+    );
+    // The new constraint still refuses what no version writes.
+    let r = admin
+        .batch_execute(&format!(
+            "UPDATE \"{schema}\".\"old\" SET state = 'bogus' WHERE id = 'done'"
+        ))
+        .await;
+    assert!(r.is_err(), "{r:?}");
+    admin
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .unwrap();
+}
+
+/// `Display` of a server error shows the server's message, not only "db error".
+#[tokio::test]
+async fn server_errors_show_their_message() {
+    let schema = common::fresh_schema();
+    let Some(store) = common::store_with(common::config(&schema).with_table("display")).await
+    else {
+        return;
+    };
+    let admin = common::admin().await;
+    admin
+        .batch_execute(&format!(
+            "ALTER TABLE {} ADD CONSTRAINT no_evil_owner CHECK (owner <> 'evil')",
+            store.qualified_table()
+        ))
+        .await
+        .unwrap();
+    let r = store
+        .acquire(&AcquireRequest::new(ns().key("k").unwrap(), "evil"))
+        .await;
+    let Err(e @ Error::Backend { .. }) = r else {
+        panic!("expected Backend, got {r:?}");
+    };
+    let text = e.to_string();
+    assert!(
+        text.starts_with(
+            "postgres store error: db error: ERROR: new row for relation \"display\" violates \
+             check constraint \"no_evil_owner\""
+        ),
+        "{text}"
+    );
+    admin
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .unwrap();
+}
+
+/// A transition re-sent while its first send is still running (holding the row lock, not yet
+/// committed) waits for it, then answers as a replay: `Ok` with the same arguments, `LeaseLost`
+/// saying the record is completed with other ones; if the first send rolls back instead, the
+/// re-send applies.
+#[tokio::test]
+async fn a_resend_behind_the_first_send_is_a_replay() {
+    let app = format!("idem-resend-{:08x}", rand::random::<u32>());
+    let Some(store) =
+        common::store_with(common::config(common::run_schema()).with_application_name(app.clone()))
+            .await
+    else {
+        return;
+    };
+    let admin = common::admin().await;
+    let ns = ns();
+    for (id, resent, commit_first, expect_ok) in [
+        ("same", &b"done"[..], true, true),
+        ("other", &b"else"[..], true, false),
+        ("rolled-back", &b"else"[..], false, true),
+    ] {
+        let key = ns.key(id).unwrap();
+        let lease = acquired(
+            store
+                .acquire(&AcquireRequest::new(key.clone(), "w"))
+                .await
+                .unwrap(),
+        );
+        // The first send, still in flight: the store's own statement in an open transaction.
+        let mut first = common::admin().await;
+        let tx = first.transaction().await.unwrap();
+        let token = lease.token.get() as i64;
+        let retention_us = RETENTION.as_micros() as i64;
+        let result: &[u8] = b"done";
+        let row = tx
+            .query_one(
+                store.statement_sql(Transition::Complete),
+                &[&ns.as_str(), &id, &token, &result, &retention_us],
+            )
+            .await
+            .unwrap();
+        assert!(row.get::<_, bool>("done"));
+
+        let resend = tokio::spawn({
+            let store = store.clone();
+            let lease = lease.clone();
+            let resent = Bytes::copy_from_slice(resent);
+            async move { store.complete(&lease, resent, RETENTION).await }
+        });
+        // Wait until the re-send is blocked on the first send's row lock.
+        let mut waiting = false;
+        for _ in 0..500 {
+            waiting = admin
+                .query_one(
+                    "SELECT count(*) > 0 FROM pg_stat_activity \
+                     WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                    &[&app],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if waiting {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(waiting, "{id}: the re-send waits on the row lock");
+        if commit_first {
+            tx.commit().await.unwrap();
+        } else {
+            tx.rollback().await.unwrap();
+        }
+        let r = resend.await.unwrap();
+        if expect_ok {
+            r.unwrap_or_else(|e| panic!("{id}: the re-send must be Ok: {e:?}"));
+        } else {
+            assert!(
+                matches!(
+                    r,
+                    Err(Error::LeaseLost {
+                        why: LostLease::NotInProgress {
+                            state: StateKind::Completed
+                        },
+                        ..
+                    })
+                ),
+                "{id}: {r:?}"
+            );
+        }
+        let stored = if commit_first {
+            b"done".as_slice()
+        } else {
+            resent
+        };
+        assert_eq!(
+            store.get(&key).await.unwrap().unwrap().state,
+            RecordState::Completed {
+                result: Bytes::copy_from_slice(stored)
+            },
+            "{id}"
+        );
+    }
 }

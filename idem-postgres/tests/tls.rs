@@ -65,9 +65,11 @@ impl ServerCertVerifier for AnyCertificate {
 
 #[tokio::test]
 async fn connects_over_tls_when_required() {
+    if common::store().await.is_none() {
+        return; // no server: skipped (outside CI)
+    }
     let admin = common::admin().await;
     let server_ssl: String = admin.query_one("SHOW ssl", &[]).await.unwrap().get(0);
-    let _ = common::store().await; // migrated schema
 
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let tls = rustls::ClientConfig::builder_with_provider(provider.clone())

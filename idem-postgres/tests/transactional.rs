@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Error, IdempotencyStore, Namespace, RecordState,
+    AcquireOutcome, AcquireRequest, Bytes, Error, FailureKind, IdempotencyStore, Namespace,
+    RecordState,
 };
 use idem_postgres::{HandlerError, PostgresStore, TxOutcome, UNCOMMITTED_OWNER};
 use rand::seq::SliceRandom;
@@ -50,7 +51,9 @@ async fn effect_count(admin: &tokio_postgres::Client, table: &str, msg: &str) ->
 
 #[tokio::test]
 async fn executed_commits_business_writes_with_the_completion() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let admin = common::admin().await;
     let effects = effects_table(&admin).await;
     let key = ns().key("m1").unwrap();
@@ -101,7 +104,9 @@ async fn executed_commits_business_writes_with_the_completion() {
 
 #[tokio::test]
 async fn handler_error_rolls_back_business_writes_but_counts_the_attempt() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let admin = common::admin().await;
     let effects = effects_table(&admin).await;
     let key = ns().key("poison").unwrap();
@@ -142,7 +147,7 @@ async fn handler_error_rolls_back_business_writes_but_counts_the_attempt() {
             record.state,
             RecordState::Failed {
                 error: format!("downstream said no ({attempt})"),
-                retryable: true
+                kind: FailureKind::Retryable
             }
         );
     }
@@ -163,7 +168,9 @@ async fn handler_error_rolls_back_business_writes_but_counts_the_attempt() {
 
 #[tokio::test]
 async fn terminal_handler_error_is_replayed() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let key = ns().key("bad-request").unwrap();
     let req = AcquireRequest::new(key.clone(), "w1");
     let outcome = store
@@ -192,7 +199,8 @@ async fn terminal_handler_error_is_replayed() {
     assert_eq!(
         outcome,
         TxOutcome::NotRun(AcquireOutcome::Failed {
-            error: "invalid amount".into()
+            error: "invalid amount".into(),
+            kind: FailureKind::Terminal
         })
     );
 }
@@ -202,9 +210,12 @@ async fn terminal_handler_error_is_replayed() {
 #[tokio::test]
 async fn concurrent_duplicate_gets_in_progress_within_the_lock_timeout() {
     let lock_timeout = Duration::from_millis(300);
-    let store =
+    let Some(store) =
         common::store_with(common::config(common::run_schema()).with_lock_timeout(lock_timeout))
-            .await;
+            .await
+    else {
+        return;
+    };
     let key = ns().key("dup").unwrap();
     let req = AcquireRequest::new(key.clone(), "holder");
 
@@ -272,7 +283,9 @@ async fn concurrent_duplicate_gets_in_progress_within_the_lock_timeout() {
 /// cancelled or the process dies) rolls back the business writes and the acquisition.
 #[tokio::test]
 async fn crash_before_commit_rolls_everything_back() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let admin = common::admin().await;
     let effects = effects_table(&admin).await;
     let key = ns().key("crash").unwrap();
@@ -327,7 +340,9 @@ async fn crash_before_commit_rolls_everything_back() {
 
 #[tokio::test]
 async fn inside_a_transaction_the_caller_opened() {
-    let store = common::store().await;
+    let Some(store) = common::store().await else {
+        return;
+    };
     let admin = common::admin().await;
     let effects = effects_table(&admin).await;
     let ns = ns();
@@ -395,7 +410,7 @@ async fn inside_a_transaction_the_caller_opened() {
     assert!(matches!(
         record.state,
         RecordState::Failed {
-            retryable: true,
+            kind: FailureKind::Retryable,
             ..
         }
     ));
@@ -427,13 +442,16 @@ async fn exactly_once_effect_under_aborts_and_killed_connections() {
     const WORKERS: usize = 20;
 
     let app = format!("idem-chaos-{:08x}", rand::random::<u32>());
-    let store = common::store_with(
+    let Some(store) = common::store_with(
         common::config(common::run_schema())
             .with_application_name(app.clone())
             .with_pool_size(WORKERS + 4)
             .with_lock_timeout(Duration::from_millis(200)),
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     let admin = Arc::new(common::admin().await);
     let effects = effects_table(&admin).await;
     let ns = ns();
@@ -681,13 +699,16 @@ async fn unreachable_store_never_runs_the_handler() {
 /// session's own `lock_timeout`, and the pooled connection keeps its `statement_timeout`.
 #[tokio::test]
 async fn lock_timeout_is_restored_for_business_statements() {
-    let store = common::store_with(
+    let Some(store) = common::store_with(
         common::config(common::run_schema())
             .with_pool_size(1)
             .with_lock_timeout(Duration::from_millis(1234))
             .with_statement_timeout(Duration::from_secs(7)),
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     let show = |name: &'static str| {
         let store = store.clone();
         async move {
@@ -752,12 +773,15 @@ async fn lock_timeout_is_restored_for_business_statements() {
 #[tokio::test]
 async fn record_failure_gives_up_after_the_lock_timeout() {
     let lock_timeout = Duration::from_millis(300);
-    let store = common::store_with(
+    let Some(store) = common::store_with(
         common::config(common::run_schema())
             .with_lock_timeout(lock_timeout)
             .with_statement_timeout(Duration::from_secs(5)),
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     let key = ns().key("locked-after-rollback").unwrap();
     let req = AcquireRequest::new(key.clone(), "w1");
     // An existing, acquirable record, so there is a row to lock.

@@ -4,11 +4,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use idem_core::{
-    AcquireOutcome, Error, FencingToken, Fingerprint, IdempotencyKey, Lease, Record, RecordState,
+    AcquireOutcome, Error, FailureKind, FencingToken, Fingerprint, IdempotencyKey, Lease, Record,
+    RecordState, StateKind,
 };
 use redis::Value;
-
-use crate::conn::STORE;
 
 /// `{prefix}{namespace}:{id}`. Namespaces hold only `[A-Za-z0-9._-]`, so the first `:` after the
 /// prefix always ends the namespace and two different keys never share a storage key.
@@ -36,8 +35,47 @@ fn bad(reason: impl Into<String>) -> Bad {
     Bad(reason.into())
 }
 
-pub(crate) fn corrupt(storage_key: &[u8], Bad(reason): Bad) -> Error {
-    Error::corrupt(STORE, String::from_utf8_lossy(storage_key), reason)
+pub(crate) fn corrupt(store: &'static str, storage_key: &[u8], Bad(reason): Bad) -> Error {
+    Error::corrupt(store, String::from_utf8_lossy(storage_key), reason)
+}
+
+/// The state codes of the packed record (the low 3 bits of its head byte; see the crate docs).
+/// 6 is reserved and 7 is a tombstone, which no script reports as a record.
+const IN_PROGRESS: i64 = 0;
+const RELEASED: i64 = 1;
+const COMPLETED: i64 = 2;
+const FAILED_RETRYABLE: i64 = 3;
+const FAILED_TERMINAL: i64 = 4;
+const FAILED_NOT_STORED: i64 = 5;
+
+/// The state a script reported by its code.
+pub(crate) fn state_kind(code: i64) -> Result<StateKind, Bad> {
+    Ok(match code {
+        IN_PROGRESS => StateKind::InProgress,
+        RELEASED => StateKind::Released,
+        COMPLETED => StateKind::Completed,
+        FAILED_RETRYABLE => StateKind::Failed(FailureKind::Retryable),
+        FAILED_TERMINAL => StateKind::Failed(FailureKind::Terminal),
+        FAILED_NOT_STORED => StateKind::Failed(FailureKind::ResultNotStored),
+        other => return Err(bad(format!("unknown state {other}"))),
+    })
+}
+
+/// The state code `fail.lua` stores for `kind`; `None` for a kind this version does not know.
+pub(crate) fn failed_state(kind: FailureKind) -> Option<i64> {
+    match kind {
+        FailureKind::Retryable => Some(FAILED_RETRYABLE),
+        FailureKind::Terminal => Some(FAILED_TERMINAL),
+        FailureKind::ResultNotStored => Some(FAILED_NOT_STORED),
+        _ => None,
+    }
+}
+
+fn failure_kind(code: i64) -> Result<FailureKind, Bad> {
+    match state_kind(code)? {
+        StateKind::Failed(kind) => Ok(kind),
+        other => Err(bad(format!("state {code} ({other}) is not a failure"))),
+    }
 }
 
 fn int(v: &Value) -> Result<i64, Bad> {
@@ -130,8 +168,12 @@ pub(crate) fn acquire_outcome(
                 _ => None,
             },
         },
-        5 => AcquireOutcome::Failed {
-            error: text(at(items, 1)?, "error")?,
+        5 => match failure_kind(int(at(items, 2)?)?)? {
+            FailureKind::Retryable => return Err(bad("a retryable failure replayed as terminal")),
+            kind => AcquireOutcome::Failed {
+                error: text(at(items, 1)?, "error")?,
+                kind,
+            },
         },
         kind => return Err(bad(format!("unknown acquire reply kind {kind}"))),
     })
@@ -142,21 +184,34 @@ pub(crate) fn acquire_outcome(
 pub(crate) enum Fenced {
     /// The transition was applied; `extend` also returns the new lease end (ms).
     Applied(Option<i64>),
-    /// The lease is not current; the record's token, if there is a record.
-    Lost(Option<FencingToken>),
+    /// The lease is not current: the token and state of the record found instead, or `None`
+    /// when there is none (absent, a tombstone or past retention).
+    Lost(Option<(FencingToken, StateKind)>),
+    /// `complete_with` only: the handler's write `index` (from 0) cannot apply, for `reason`;
+    /// nothing was written.
+    Refused { index: usize, reason: String },
 }
 
+/// Decodes the reply of a fenced script: `{1}` or `{1, lease_end_ms}` when applied (or replayed),
+/// `{0}` when refused with no record, `{0, token, state}` when refused with a record, and (from
+/// `complete_with`) `{2, i, reason}` when write `i` (from 1) cannot apply.
 pub(crate) fn fenced(reply: &Value) -> Result<Fenced, Bad> {
     let items = array(reply)?;
     match int(at(items, 0)?)? {
         1 => Ok(Fenced::Applied(items.get(1).map(int).transpose()?)),
-        0 => {
-            let current = int(at(items, 1)?)?;
-            Ok(Fenced::Lost(if current < 0 {
-                None
-            } else {
-                Some(FencingToken::new(uint(at(items, 1)?, "token")?))
-            }))
+        0 if items.len() == 1 => Ok(Fenced::Lost(None)),
+        0 => Ok(Fenced::Lost(Some((
+            FencingToken::new(uint(at(items, 1)?, "token")?),
+            state_kind(int(at(items, 2)?)?)?,
+        )))),
+        2 => {
+            let index: usize = uint(at(items, 1)?, "write index")?;
+            Ok(Fenced::Refused {
+                index: index
+                    .checked_sub(1)
+                    .ok_or_else(|| bad("write index 0 (they count from 1)"))?,
+                reason: String::from_utf8_lossy(&bytes(at(items, 2)?)?).into_owned(),
+            })
         }
         kind => Err(bad(format!("unknown transition reply kind {kind}"))),
     }
@@ -182,22 +237,17 @@ pub(crate) fn record(reply: &Value, key: &IdempotencyKey) -> Result<Option<Recor
         )));
     }
     let payload = bytes(&items[8])?;
-    let error = || String::from_utf8(payload.clone()).map_err(|_| bad("error is not UTF-8"));
-    let state = match int(&items[0])? {
-        0 => RecordState::InProgress,
-        1 => RecordState::Released,
-        2 => RecordState::Completed {
-            result: Bytes::from(payload.clone()),
+    let state = match state_kind(int(&items[0])?)? {
+        StateKind::InProgress => RecordState::InProgress,
+        StateKind::Released => RecordState::Released,
+        StateKind::Completed => RecordState::Completed {
+            result: Bytes::from(payload),
         },
-        3 => RecordState::Failed {
-            error: error()?,
-            retryable: true,
+        StateKind::Failed(kind) => RecordState::Failed {
+            error: String::from_utf8(payload).map_err(|_| bad("error is not UTF-8"))?,
+            kind,
         },
-        4 => RecordState::Failed {
-            error: error()?,
-            retryable: false,
-        },
-        other => return Err(bad(format!("unknown state {other}"))),
+        other => return Err(bad(format!("unexpected state {other}"))),
     };
     let fingerprint = match bytes(&items[6])? {
         fp if fp.is_empty() => None,
@@ -329,8 +379,89 @@ mod tests {
         );
         assert!(acquire_outcome(&Value::Array(vec![Value::Int(9)]), &k, "me").is_err());
         assert_eq!(
-            fenced(&Value::Array(vec![Value::Int(0), Value::Int(-1)])).unwrap(),
+            acquire_outcome(
+                &Value::Array(vec![Value::Int(5), s("why"), Value::Int(5)]),
+                &k,
+                "me"
+            )
+            .unwrap(),
+            AcquireOutcome::Failed {
+                error: "why".into(),
+                kind: FailureKind::ResultNotStored
+            }
+        );
+        assert_eq!(
+            acquire_outcome(
+                &Value::Array(vec![Value::Int(5), s("why"), Value::Int(4)]),
+                &k,
+                "me"
+            )
+            .unwrap(),
+            AcquireOutcome::Failed {
+                error: "why".into(),
+                kind: FailureKind::Terminal
+            }
+        );
+        for not_terminal in [0, 2, 3, 6] {
+            let reply = Value::Array(vec![Value::Int(5), s("why"), Value::Int(not_terminal)]);
+            assert!(acquire_outcome(&reply, &k, "me").is_err(), "{not_terminal}");
+        }
+    }
+
+    #[test]
+    fn decodes_fenced_replies() {
+        assert_eq!(
+            fenced(&Value::Array(vec![Value::Int(0)])).unwrap(),
             Fenced::Lost(None)
         );
+        assert_eq!(
+            fenced(&Value::Array(vec![
+                Value::Int(0),
+                Value::Int(42),
+                Value::Int(5)
+            ]))
+            .unwrap(),
+            Fenced::Lost(Some((
+                FencingToken::new(42),
+                StateKind::Failed(FailureKind::ResultNotStored)
+            )))
+        );
+        assert_eq!(
+            fenced(&Value::Array(vec![Value::Int(1), Value::Int(7)])).unwrap(),
+            Fenced::Applied(Some(7))
+        );
+        assert_eq!(
+            fenced(&Value::Array(vec![Value::Int(2), Value::Int(3), s("why")])).unwrap(),
+            Fenced::Refused {
+                index: 2,
+                reason: "why".into()
+            }
+        );
+        assert!(fenced(&Value::Array(vec![Value::Int(2), Value::Int(0), s("why")])).is_err());
+        assert!(fenced(&Value::Array(vec![Value::Int(0), Value::Int(42)])).is_err());
+        assert!(
+            fenced(&Value::Array(vec![
+                Value::Int(0),
+                Value::Int(42),
+                Value::Int(7)
+            ]))
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn state_codes_cover_every_state_kind_once() {
+        let mut seen = Vec::new();
+        for code in 0..8 {
+            if let Ok(kind) = state_kind(code) {
+                assert!(!seen.contains(&kind), "{kind} twice");
+                seen.push(kind);
+            }
+        }
+        assert_eq!(seen, StateKind::ALL.to_vec());
+        for kind in FailureKind::ALL {
+            let code = failed_state(kind).unwrap();
+            assert_eq!(state_kind(code).unwrap(), StateKind::Failed(kind));
+        }
     }
 }

@@ -1,28 +1,22 @@
 //! The connection behind a store (one server or a cluster) and the mapping of driver errors.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem_core::Error;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::SingleNodeRoutingInfo;
-use redis::{ErrorKind, RedisError, Script, ScriptInvocation, ServerErrorKind, ToRedisArgs, Value};
+use redis::{ErrorKind, RedisError, Script, ServerErrorKind, ToRedisArgs, Value};
 
 use crate::config::RedisConfig;
 
-pub(crate) const STORE: &str = "redis";
-
-/// The error inside [`Error::Unavailable`] when the server did not answer within
-/// [`RedisConfig::operation_timeout`].
-#[derive(Debug, thiserror::Error)]
-#[error("no answer from redis within {after:?}")]
-#[non_exhaustive]
-pub struct TimedOut {
-    /// The bound that passed.
-    pub after: Duration,
-}
+/// The store's name on one server, in errors, metrics and logs.
+pub(crate) const STANDALONE: &str = "redis";
+/// The store's name on a Redis Cluster.
+pub(crate) const CLUSTER: &str = "redis-cluster";
 
 /// One server (auto-reconnecting multiplexed connection) or a Redis Cluster. Both are cheap to
 /// clone and pipeline concurrent requests.
@@ -61,7 +55,7 @@ impl Conn {
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_millis(500));
         let connect = ConnectionManager::new_with_config(client, manager_config);
-        let manager = bounded(config.operation_timeout, connect)
+        let manager = bounded(STANDALONE, config.operation_timeout, connect)
             .await
             .map_err(|e| config_error(url, e))?;
         Ok(Self::Single(manager))
@@ -93,13 +87,60 @@ impl Conn {
             .build()
             .map_err(|e| invalid_url(&nodes.join(","), e))?;
         let connect = client.get_async_connection();
-        let conn = bounded(config.operation_timeout, connect)
+        let conn = bounded(CLUSTER, config.operation_timeout, connect)
             .await
             .map_err(|e| config_error(&nodes.join(","), e))?;
         Ok(Self::Cluster(conn))
     }
 
-    /// Runs a script (EVALSHA, loading it on NOSCRIPT) within `timeout`.
+    /// `redis` or `redis-cluster`.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Self::Single(_) => STANDALONE,
+            Self::Cluster(_) => CLUSTER,
+        }
+    }
+
+    /// Loads every script into the server's script cache (`SCRIPT LOAD`; on a cluster, on every
+    /// node, replicas included, so a promoted replica has them too), so that the first call of
+    /// each is one `EVALSHA`. Best effort: a node that did not take them (down, or an ACL without
+    /// `SCRIPT`) gets each script in full on its first call instead (`EVAL` after `NOSCRIPT`).
+    pub(crate) async fn preload(&self, sources: &[&str], timeout: Duration) {
+        let loaded = match self {
+            Self::Single(c) => {
+                let mut pipe = redis::pipe();
+                for source in sources {
+                    pipe.cmd("SCRIPT").arg("LOAD").arg(*source);
+                }
+                bounded(STANDALONE, timeout, pipe.exec_async(&mut c.clone())).await
+            }
+            Self::Cluster(c) => {
+                let mut conn = c.clone();
+                let load_all = async move {
+                    for source in sources {
+                        // The driver sends a keyless SCRIPT LOAD to every node.
+                        redis::cmd("SCRIPT")
+                            .arg("LOAD")
+                            .arg(*source)
+                            .exec_async(&mut conn)
+                            .await?;
+                    }
+                    Ok(())
+                };
+                bounded(CLUSTER, timeout, load_all).await
+            }
+        };
+        if let Err(e) = loaded {
+            tracing::warn!(
+                store = self.name(),
+                error = %e,
+                "could not preload the idem scripts; each will be sent in full on its first call"
+            );
+        }
+    }
+
+    /// Runs a script within `timeout`: `EVALSHA`, then `EVAL` with the full source (which also
+    /// caches it) when the node answers `NOSCRIPT`. Adds every request sent to `sent`.
     ///
     /// On a cluster, a refusal that proves the script did not run (MOVED, ASK, TRYAGAIN,
     /// CLUSTERDOWN, ...) is retried up to `retries` times: MOVED and ASK at once on the node they
@@ -110,21 +151,30 @@ impl Conn {
         call: &Call<'_>,
         timeout: Duration,
         retries: u32,
+        sent: &AtomicU64,
     ) -> Result<Value, Error> {
         match self {
             Self::Single(c) => {
-                bounded(timeout, call.invocation().invoke_async(&mut c.clone())).await
+                bounded(STANDALONE, timeout, script(&mut c.clone(), call, sent)).await
             }
-            Self::Cluster(c) => bounded(timeout, cluster_invoke(c.clone(), call, retries)).await,
+            Self::Cluster(c) => {
+                bounded(
+                    CLUSTER,
+                    timeout,
+                    cluster_invoke(c.clone(), call, retries, sent),
+                )
+                .await
+            }
         }
     }
 }
 
-/// One script call: the script, its one key and its arguments.
+/// One script call: the script, its keys (the record's first: the call is routed by it) and its
+/// arguments.
 pub(crate) struct Call<'a> {
     script: &'a Script,
     source: &'a str,
-    key: &'a [u8],
+    keys: Vec<&'a [u8]>,
     args: Vec<Vec<u8>>,
 }
 
@@ -133,9 +183,15 @@ impl<'a> Call<'a> {
         Self {
             script,
             source,
-            key,
+            keys: vec![key],
             args: Vec::new(),
         }
+    }
+
+    /// Declares one more key (`KEYS[n]`).
+    pub(crate) fn key(&mut self, key: &'a [u8]) -> &mut Self {
+        self.keys.push(key);
+        self
     }
 
     pub(crate) fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
@@ -143,23 +199,46 @@ impl<'a> Call<'a> {
         self
     }
 
-    fn invocation(&self) -> ScriptInvocation<'a> {
-        let mut invocation = self.script.prepare_invoke();
-        invocation.key(self.key);
-        for arg in &self.args {
-            invocation.arg(arg.as_slice());
-        }
-        invocation
+    /// `EVALSHA sha numkeys keys... args...`
+    fn evalsha(&self) -> redis::Cmd {
+        self.command("EVALSHA", self.script.get_hash())
     }
 
-    /// `EVAL` with the full source, for a node that may not have the script cached.
+    /// `EVAL source numkeys keys... args...`, for a node that does not have the script cached.
     fn eval(&self) -> redis::Cmd {
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(self.source).arg(1).arg(self.key);
+        self.command("EVAL", self.source)
+    }
+
+    fn command(&self, name: &str, script: &str) -> redis::Cmd {
+        let mut cmd = redis::cmd(name);
+        cmd.arg(script).arg(self.keys.len());
+        for key in &self.keys {
+            cmd.arg(*key);
+        }
         for arg in &self.args {
             cmd.arg(arg.as_slice());
         }
         cmd
+    }
+}
+
+fn count(sent: &AtomicU64) {
+    sent.fetch_add(1, Ordering::Relaxed);
+}
+
+/// `EVALSHA`, and `EVAL` after `NOSCRIPT` (the script was not cached: it did not run).
+async fn script(
+    conn: &mut impl ConnectionLike,
+    call: &Call<'_>,
+    sent: &AtomicU64,
+) -> Result<Value, RedisError> {
+    count(sent);
+    match call.evalsha().query_async(conn).await {
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            count(sent);
+            call.eval().query_async(conn).await
+        }
+        other => other,
     }
 }
 
@@ -179,18 +258,20 @@ async fn cluster_invoke(
     mut conn: ClusterConnection,
     call: &Call<'_>,
     retries: u32,
+    sent: &AtomicU64,
 ) -> Result<Value, RedisError> {
     let mut next: Option<Next> = None;
     let mut attempt = 0u32;
     loop {
         let result = match next.take() {
-            None => call.invocation().invoke_async(&mut conn).await,
+            None => script(&mut conn, call, sent).await,
             Some(Next::Wait) => {
                 let wait = 20u64.saturating_mul(1 << attempt.min(5)).min(500);
                 tokio::time::sleep(Duration::from_millis(wait)).await;
-                call.invocation().invoke_async(&mut conn).await
+                script(&mut conn, call, sent).await
             }
             Some(Next::Node { host, port, asking }) => {
+                // One request: ASKING (for ASK) and the full script, pipelined to that node.
                 let mut pipe = redis::pipe();
                 if asking {
                     pipe.cmd("ASKING");
@@ -198,6 +279,7 @@ async fn cluster_invoke(
                 pipe.add_command(call.eval());
                 let route = SingleNodeRoutingInfo::ByAddress { host, port };
                 let offset = usize::from(asking);
+                count(sent);
                 conn.route_pipeline(pipe, offset, 1, route).await.and_then(
                     |mut values| match values.pop() {
                         Some(value) => value.extract_error(),
@@ -254,12 +336,13 @@ fn did_not_run(e: &RedisError) -> bool {
 }
 
 async fn bounded<T>(
+    store: &'static str,
     timeout: Duration,
     fut: impl Future<Output = Result<T, RedisError>>,
 ) -> Result<T, Error> {
     match tokio::time::timeout(timeout, fut).await {
-        Ok(result) => result.map_err(map_error),
-        Err(_) => Err(Error::unavailable(STORE, TimedOut { after: timeout })),
+        Ok(result) => result.map_err(|e| map_error(store, e)),
+        Err(_) => Err(Error::timed_out(store, timeout)),
     }
 }
 
@@ -267,17 +350,14 @@ async fn bounded<T>(
 /// crate does not enable) is bad input, not a server failure.
 fn config_error(url: &str, e: Error) -> Error {
     match e {
-        Error::Backend { source, .. }
+        Error::Backend { store, source }
             if source
                 .downcast_ref::<RedisError>()
                 .is_some_and(|re| re.kind() == ErrorKind::InvalidClientConfig) =>
         {
             match source.downcast::<RedisError>() {
                 Ok(re) => invalid_url(url, *re),
-                Err(source) => Error::Backend {
-                    store: STORE,
-                    source,
-                },
+                Err(source) => Error::Backend { store, source },
             }
         }
         other => other,
@@ -307,11 +387,11 @@ fn invalid_url(url: &str, e: RedisError) -> Error {
 /// (I/O, timeouts, refused or dropped connections, cluster down or reconfiguring, loading, read
 /// only after a failover, out of memory, busy with a long script) is [`Error::Unavailable`];
 /// everything else is [`Error::Backend`].
-pub(crate) fn map_error(e: RedisError) -> Error {
+pub(crate) fn map_error(store: &'static str, e: RedisError) -> Error {
     if is_unavailable(&e) {
-        Error::unavailable(STORE, e)
+        Error::unavailable(store, e)
     } else {
-        Error::backend(STORE, e)
+        Error::backend(store, e)
     }
 }
 
@@ -356,15 +436,27 @@ mod tests {
     fn io_errors_are_unavailable_and_server_errors_are_backend() {
         let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
         assert!(matches!(
-            map_error(refused),
+            map_error(STANDALONE, refused),
             Error::Unavailable { store: "redis", .. }
         ));
         let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
-        assert!(matches!(map_error(timeout), Error::Unavailable { .. }));
+        assert!(matches!(
+            map_error(STANDALONE, timeout),
+            Error::Unavailable { .. }
+        ));
         let down = RedisError::from((ErrorKind::Server(ServerErrorKind::ClusterDown), "down"));
-        assert!(matches!(map_error(down), Error::Unavailable { .. }));
+        assert!(matches!(
+            map_error(CLUSTER, down),
+            Error::Unavailable {
+                store: "redis-cluster",
+                ..
+            }
+        ));
         let script = RedisError::from((ErrorKind::Server(ServerErrorKind::ResponseError), "boom"));
-        assert!(matches!(map_error(script), Error::Backend { .. }));
+        assert!(matches!(
+            map_error(STANDALONE, script),
+            Error::Backend { .. }
+        ));
     }
 
     #[test]
@@ -376,7 +468,10 @@ mod tests {
         let busy = extension("BUSY", "Redis is busy running a script.");
         for e in [oom, busy] {
             assert!(did_not_run(&e), "{e:?}");
-            assert!(matches!(map_error(e), Error::Unavailable { .. }));
+            assert!(matches!(
+                map_error(STANDALONE, e),
+                Error::Unavailable { .. }
+            ));
         }
         for kind in [
             ServerErrorKind::BusyLoading,
@@ -390,14 +485,17 @@ mod tests {
             let e = RedisError::from((ErrorKind::Server(kind), "refused"));
             assert!(did_not_run(&e), "{e:?}");
             assert!(
-                matches!(map_error(e), Error::Unavailable { .. }),
+                matches!(map_error(STANDALONE, e), Error::Unavailable { .. }),
                 "{kind:?}"
             );
         }
         // A script's own error and a corrupt record are neither retried nor unavailable.
         let corrupt = extension("IDEMCORRUPT", "unknown state 5");
         assert!(!did_not_run(&corrupt));
-        assert!(matches!(map_error(corrupt), Error::Backend { .. }));
+        assert!(matches!(
+            map_error(STANDALONE, corrupt),
+            Error::Backend { .. }
+        ));
     }
 
     #[test]
@@ -412,7 +510,7 @@ mod tests {
             let e = RedisError::from(std::io::Error::from(kind));
             assert!(!did_not_run(&e), "{kind:?}");
             assert!(
-                matches!(map_error(e), Error::Unavailable { .. }),
+                matches!(map_error(STANDALONE, e), Error::Unavailable { .. }),
                 "{kind:?}"
             );
         }
@@ -456,5 +554,43 @@ mod tests {
             "{e:?}"
         );
         assert!(!text.contains("secret"), "{text}");
+    }
+
+    /// A log line alone tells what happened: the store's name and the cause's own words.
+    #[test]
+    fn messages_name_the_store_and_the_cause() {
+        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert_eq!(
+            map_error(STANDALONE, refused).to_string(),
+            "redis store unavailable: connection refused"
+        );
+        let script = redis::make_extension_error(
+            "ERR".to_owned(),
+            Some("Error running script (call to f_abc): @user_script:12: bad".to_owned()),
+        );
+        let text = map_error(CLUSTER, script).to_string();
+        assert!(
+            text.starts_with("redis-cluster store error: ")
+                && text.contains("@user_script:12: bad"),
+            "{text}"
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let timed_out = runtime.block_on(bounded::<()>(
+            CLUSTER,
+            Duration::from_millis(10),
+            std::future::pending(),
+        ));
+        let e = timed_out.unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "redis-cluster store unavailable: no answer within 10ms"
+        );
+        assert!(
+            matches!(&e, Error::Unavailable { source, .. } if source.downcast_ref::<idem_core::TimedOut>().is_some()),
+            "{e:?}"
+        );
     }
 }

@@ -10,13 +10,14 @@ const COMMON: &str = include_str!("lua/common.lua");
 
 /// One of the store's Lua scripts, as the server runs it.
 ///
-/// The store loads scripts by itself (EVALSHA, and SCRIPT LOAD on NOSCRIPT); this is for tools
-/// and operators, for instance to preload them or to call one from `redis-benchmark`.
+/// The store loads scripts by itself (`SCRIPT LOAD` when it connects, `EVAL` with the full
+/// source when a node answers `NOSCRIPT`); this is for tools and operators, for instance to
+/// preload them or to call one from `redis-benchmark`.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct LuaScript {
-    /// The transition it implements: `acquire`, `extend`, `complete`, `fail`, `release`, `get`
-    /// or `delete`.
+    /// The transition it implements: `acquire`, `extend`, `complete`, `fail`, `release`, `get`,
+    /// `delete` or `complete_with` (the transactional completion).
     pub name: &'static str,
     /// The full source sent with `SCRIPT LOAD`.
     pub source: String,
@@ -35,11 +36,14 @@ impl LuaScript {
     }
 }
 
-/// Every script the store runs. Each touches exactly one key (`KEYS[1]`).
+/// Every script the store runs. Each touches exactly one key (`KEYS[1]`), except
+/// `complete_with`, which also writes the handler's keys (`KEYS[2..]`, in the record's Cluster
+/// slot).
 pub(crate) struct Scripts {
     pub(crate) acquire: LuaScript,
     pub(crate) extend: LuaScript,
     pub(crate) complete: LuaScript,
+    pub(crate) complete_with: LuaScript,
     pub(crate) fail: LuaScript,
     pub(crate) release: LuaScript,
     pub(crate) get: LuaScript,
@@ -61,14 +65,16 @@ pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     acquire: build("acquire", include_str!("lua/acquire.lua")),
     extend: build("extend", include_str!("lua/extend.lua")),
     complete: build("complete", include_str!("lua/complete.lua")),
+    complete_with: build("complete_with", include_str!("lua/complete_with.lua")),
     fail: build("fail", include_str!("lua/fail.lua")),
     release: build("release", include_str!("lua/release.lua")),
     get: build("get", include_str!("lua/get.lua")),
     delete: build("delete", include_str!("lua/delete.lua")),
 });
 
-/// The store's scripts: `acquire`, `extend`, `complete`, `fail`, `release`, `get`, `delete`.
-pub fn lua_scripts() -> [&'static LuaScript; 7] {
+/// The store's scripts: `acquire`, `extend`, `complete`, `fail`, `release`, `get`, `delete`,
+/// `complete_with`.
+pub fn lua_scripts() -> [&'static LuaScript; 8] {
     let s = &*SCRIPTS;
     [
         &s.acquire,
@@ -78,5 +84,6 @@ pub fn lua_scripts() -> [&'static LuaScript; 7] {
         &s.release,
         &s.get,
         &s.delete,
+        &s.complete_with,
     ]
 }

@@ -2,22 +2,25 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Error, IdempotencyKey, IdempotencyStore, Lease, Limits, Record,
-    Result, check_lease_ttl, check_retention,
+    AcquireOutcome, AcquireRequest, Error, FailureKind, IdempotencyKey, IdempotencyStore, Lease,
+    Limits, Record, Result, TransactionalStore, check_lease_ttl,
 };
 use redis::Value;
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::Slot;
 
 use crate::codec::{self, Fenced};
 use crate::config::RedisConfig;
-use crate::conn::{Call, Conn, STORE};
-use crate::scripts::{LuaScript, SCRIPTS};
+use crate::conn::{Call, Conn};
+use crate::scripts::{LuaScript, SCRIPTS, lua_scripts};
+use crate::writes::{self, RedisWrites};
 
 /// An [`IdempotencyStore`] on Redis: one packed string per key, one Lua script per transition, on a
 /// single server or a Redis Cluster.
@@ -32,6 +35,8 @@ pub struct RedisStore {
 struct Inner {
     conn: Conn,
     config: RedisConfig,
+    /// Requests the operations sent: see [`RedisStore::requests_sent`].
+    sent: AtomicU64,
 }
 
 impl fmt::Debug for RedisStore {
@@ -39,6 +44,7 @@ impl fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("conn", &self.inner.conn)
             .field("config", &self.inner.config)
+            .field("requests_sent", &self.requests_sent())
             .finish()
     }
 }
@@ -63,7 +69,7 @@ impl RedisStore {
     /// As [`RedisStore::connect`].
     pub async fn connect_with(url: &str, config: RedisConfig) -> Result<Self> {
         let conn = Conn::single(url, &config).await?;
-        Ok(Self::from_conn(conn, config))
+        Ok(Self::connected(conn, config).await)
     }
 
     /// Connects to a Redis Cluster through any of `nodes` (`redis://host:port` each; the rest
@@ -91,11 +97,14 @@ impl RedisStore {
     {
         let nodes: Vec<String> = nodes.into_iter().map(|n| n.as_ref().to_owned()).collect();
         let conn = Conn::cluster(&nodes, &config).await?;
-        Ok(Self::from_conn(conn, config))
+        Ok(Self::connected(conn, config).await)
     }
 
     /// A store over a connection manager the application built itself (its own TLS, auth or
     /// retry settings). [`RedisConfig::operation_timeout`] still bounds every operation.
+    ///
+    /// The scripts are not preloaded: each is sent in full on its first call (`EVAL` after the
+    /// server answers `NOSCRIPT`), then by SHA.
     pub fn from_connection_manager(manager: ConnectionManager, config: RedisConfig) -> Self {
         Self::from_conn(Conn::Single(manager), config)
     }
@@ -103,15 +112,40 @@ impl RedisStore {
     /// A store over a cluster connection the application built itself. Build it with
     /// `retries(0)`: the driver's retries also re-send a script after a response timeout or a
     /// dropped connection, when the first send may have run (the store retries and follows
-    /// `MOVED`/`ASK` itself).
+    /// `MOVED`/`ASK` itself). As with [`RedisStore::from_connection_manager`], the scripts are
+    /// not preloaded.
     pub fn from_cluster_connection(conn: ClusterConnection, config: RedisConfig) -> Self {
         Self::from_conn(Conn::Cluster(conn), config)
     }
 
     fn from_conn(conn: Conn, config: RedisConfig) -> Self {
         Self {
-            inner: Arc::new(Inner { conn, config }),
+            inner: Arc::new(Inner {
+                conn,
+                config,
+                sent: AtomicU64::new(0),
+            }),
         }
+    }
+
+    /// A store over a connection just opened: the scripts are loaded on the server(s) first.
+    async fn connected(conn: Conn, config: RedisConfig) -> Self {
+        let sources = lua_scripts().map(|s| s.source.as_str());
+        conn.preload(&sources, config.operation_timeout).await;
+        Self::from_conn(conn, config)
+    }
+
+    /// How many requests this store's operations have sent to Redis so far, counted as they
+    /// are sent and shared by its clones: one `EVALSHA` per operation, one more (`EVAL` with
+    /// the full script) when a node answered `NOSCRIPT`, and on a cluster one more per
+    /// redirection or retried refusal. Connecting (the handshake, loading the scripts) and the
+    /// driver's own reconnects and slot-map refreshes are not counted.
+    ///
+    /// A cheap way to watch round trips per operation (the conformance suite checks one per
+    /// transition with it); unlike the server's `INFO commandstats` it sees only this store's
+    /// traffic.
+    pub fn requests_sent(&self) -> u64 {
+        self.inner.sent.load(Ordering::Relaxed)
     }
 
     /// The configuration in force.
@@ -136,7 +170,12 @@ impl RedisStore {
         let result = self
             .inner
             .conn
-            .invoke(call, config.operation_timeout, config.retries)
+            .invoke(
+                call,
+                config.operation_timeout,
+                config.retries,
+                &self.inner.sent,
+            )
             .await;
         match result {
             Err(Error::Backend { source, .. })
@@ -153,12 +192,24 @@ impl RedisStore {
                     .split_once(" script: ")
                     .map_or(detail, |(reason, _)| reason)
                     .to_owned();
-                Err(Error::corrupt(STORE, String::from_utf8_lossy(key), reason))
+                Err(Error::corrupt(
+                    self.name(),
+                    String::from_utf8_lossy(key),
+                    reason,
+                ))
             }
             other => other,
         }
     }
 
+    /// A decoding failure of `storage_key`'s reply as [`Error::CorruptRecord`].
+    fn corrupt(&self, storage_key: &[u8], bad: codec::Bad) -> Error {
+        codec::corrupt(self.name(), storage_key, bad)
+    }
+
+    /// Runs a fenced script (`extend`, `complete`, `fail`, `release`): one `EVALSHA` whose reply
+    /// is either applied (or a replay of what was applied) or a refusal carrying the token and
+    /// state the script found, from which [`Error::LeaseLost`] says why.
     async fn fenced(
         &self,
         script: &LuaScript,
@@ -169,22 +220,108 @@ impl RedisStore {
         let mut call = script.call(&key);
         call.arg(lease.token.get());
         args(&mut call);
-        let reply = self.run(&key, &call).await?;
-        match codec::fenced(&reply).map_err(|b| codec::corrupt(&key, b))? {
+        self.fenced_call(&key, lease, &call).await
+    }
+
+    /// Sends a fenced script's `call` on the record at `key` and reads its reply.
+    async fn fenced_call(&self, key: &[u8], lease: &Lease, call: &Call<'_>) -> Result<Option<i64>> {
+        let reply = self.run(key, call).await?;
+        match codec::fenced(&reply).map_err(|b| self.corrupt(key, b))? {
             Fenced::Applied(extra) => Ok(extra),
-            Fenced::Lost(current) => Err(Error::LeaseLost {
-                key: lease.key.clone(),
-                presented: lease.token,
-                current,
+            Fenced::Lost(found) => Err(Error::lease_lost(lease, found)),
+            Fenced::Refused { index, reason } => Err(Error::EffectRefused {
+                store: self.name(),
+                index,
+                reason,
             }),
         }
+    }
+
+    /// The hash tag, braces included, that puts a key in the same Redis Cluster slot as
+    /// `key`'s record: the record's own tag when its storage key has one (a `{...}` in the
+    /// prefix or the id), else the whole storage key. A key that starts with it is in the
+    /// record's slot whatever follows. See [`effect_key`](Self::effect_key).
+    ///
+    /// ```
+    /// # fn demo(store: &idem_redis::RedisStore) -> idem_core::Result<()> {
+    /// use idem_core::Namespace;
+    ///
+    /// let ns = Namespace::new("payments")?;
+    /// // Default prefix `idem:`: the storage key `idem:payments:order-42` has no tag.
+    /// assert_eq!(store.hash_tag(&ns.key("order-42")?)?, "{idem:payments:order-42}");
+    /// // An id with a tag: every message of alice shares her slot.
+    /// assert_eq!(store.hash_tag(&ns.key("{alice}:msg-7")?)?, "{alice}");
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] (field `key`) when the storage key has no hash tag and holds a
+    /// `}` (an id such as `a}b` or `{}x`): no tag can then name its slot. Give such ids a hash
+    /// tag of their own.
+    pub fn hash_tag(&self, key: &IdempotencyKey) -> Result<String> {
+        let storage_key = String::from_utf8_lossy(&self.storage_key(key)).into_owned();
+        writes::slot_tag(&storage_key).ok_or_else(|| {
+            Error::invalid(
+                "key",
+                format!(
+                    "the storage key {storage_key:?} has no hash tag and holds '}}', so no hash \
+                     tag puts another key in its Redis Cluster slot; give the id a hash tag of \
+                     its own (such as {{order-42}})"
+                ),
+            )
+        })
+    }
+
+    /// A key for the handler's own data in the same Redis Cluster slot as `key`'s record:
+    /// [`hash_tag`](Self::hash_tag) followed by `suffix`, for instance
+    /// `{idem:payments:order-42}:receipt`. On a cluster every key a
+    /// [`RedisWrites`] touches must be in the record's slot; on one server any key will do, but
+    /// keys built this way keep working when the store moves to a cluster.
+    ///
+    /// Data shared by many messages (an account balance) can only be in each message's slot
+    /// when the messages' ids carry the same tag: ids `{alice}:msg-1`, `{alice}:msg-2`, ... all
+    /// give `effect_key(.., ":balance")` = `{alice}:balance`.
+    ///
+    /// # Errors
+    /// As [`hash_tag`](Self::hash_tag).
+    pub fn effect_key(&self, key: &IdempotencyKey, suffix: &str) -> Result<String> {
+        let mut out = self.hash_tag(key)?;
+        out.push_str(suffix);
+        Ok(out)
+    }
+
+    /// On a cluster, refuses writes whose keys are not all in the record's slot (the script
+    /// may only touch keys of one slot, and Redis would refuse the call as a whole).
+    fn check_slots(&self, storage_key: &[u8], writes: &RedisWrites) -> Result<()> {
+        if !self.is_cluster() {
+            return Ok(());
+        }
+        let slot = Slot::for_key(storage_key);
+        for (index, key) in writes.keys().enumerate() {
+            let other = Slot::for_key(key);
+            if other != slot {
+                return Err(Error::invalid(
+                    "writes",
+                    format!(
+                        "write {index} targets {:?}, in Redis Cluster {other:?}, but the record \
+                         {:?} is in {slot:?}; build the key with RedisStore::effect_key, under \
+                         the record's hash tag",
+                        String::from_utf8_lossy(key),
+                        String::from_utf8_lossy(storage_key),
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
 #[async_trait]
 impl IdempotencyStore for RedisStore {
+    /// `redis` on one server, `redis-cluster` on a Redis Cluster (also the `store` of its
+    /// errors).
     fn name(&self) -> &'static str {
-        STORE
+        self.inner.conn.name()
     }
 
     fn limits(&self) -> Limits {
@@ -204,7 +341,7 @@ impl IdempotencyStore for RedisStore {
             .arg(req.max_attempts)
             .arg(fingerprint);
         let reply = self.run(&key, &call).await?;
-        codec::acquire_outcome(&reply, &req.key, &req.owner).map_err(|b| codec::corrupt(&key, b))
+        codec::acquire_outcome(&reply, &req.key, &req.owner).map_err(|b| self.corrupt(&key, b))
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease> {
@@ -215,7 +352,7 @@ impl IdempotencyStore for RedisStore {
             })
             .await?;
         let expires_at =
-            codec::lease_end(end).map_err(|b| codec::corrupt(&self.storage_key(&lease.key), b))?;
+            codec::lease_end(end).map_err(|b| self.corrupt(&self.storage_key(&lease.key), b))?;
         Ok(Lease {
             expires_at,
             ..lease.clone()
@@ -223,8 +360,10 @@ impl IdempotencyStore for RedisStore {
     }
 
     async fn complete(&self, lease: &Lease, result: Bytes, retention: Duration) -> Result<()> {
-        check_retention(retention)?;
-        self.inner.config.limits.check_result(&result)?;
+        self.inner
+            .config
+            .limits
+            .check_complete(&result, retention)?;
         self.fenced(&SCRIPTS.complete, lease, |inv| {
             inv.arg(result.as_ref()).arg(codec::millis(retention));
         })
@@ -236,14 +375,19 @@ impl IdempotencyStore for RedisStore {
         &self,
         lease: &Lease,
         error: &str,
-        retryable: bool,
+        kind: FailureKind,
         retention: Duration,
     ) -> Result<()> {
-        check_retention(retention)?;
-        self.inner.config.limits.check_error(error)?;
+        self.inner.config.limits.check_fail(error, retention)?;
+        let state = codec::failed_state(kind).ok_or_else(|| {
+            Error::invalid(
+                "kind",
+                format!("failure kind {kind} is not supported by this version of idem-redis"),
+            )
+        })?;
         self.fenced(&SCRIPTS.fail, lease, |inv| {
             inv.arg(error.as_bytes())
-                .arg(if retryable { "1" } else { "0" })
+                .arg(state)
                 .arg(codec::millis(retention));
         })
         .await
@@ -258,7 +402,7 @@ impl IdempotencyStore for RedisStore {
         let storage_key = self.storage_key(key);
         let call = SCRIPTS.get.call(&storage_key);
         let reply = self.run(&storage_key, &call).await?;
-        codec::record(&reply, key).map_err(|b| codec::corrupt(&storage_key, b))
+        codec::record(&reply, key).map_err(|b| self.corrupt(&storage_key, b))
     }
 
     /// Replaces the record with a tombstone that holds only its token and expires after 7 days,
@@ -269,7 +413,7 @@ impl IdempotencyStore for RedisStore {
         let call = SCRIPTS.delete.call(&storage_key);
         match self.run(&storage_key, &call).await? {
             Value::Int(n) => Ok(n == 1),
-            other => Err(codec::corrupt(
+            other => Err(self.corrupt(
                 &storage_key,
                 codec::Bad(format!("unexpected delete reply {other:?}")),
             )),
@@ -281,5 +425,39 @@ impl IdempotencyStore for RedisStore {
     /// retention deadline.
     async fn purge_expired(&self, _limit: usize) -> Result<u64> {
         Ok(0)
+    }
+}
+
+/// The handler's writes and the completion in ONE `EVALSHA` of a fenced script (see
+/// [`RedisWrites`] for the command set, the conditions and the checks, and the
+/// [crate docs](crate#transactional-effects)).
+#[async_trait]
+impl TransactionalStore for RedisStore {
+    type Writes = RedisWrites;
+
+    /// The completion's own checks first (`Limits::check_complete`), then the writes' (count,
+    /// reserved keys, argument ranges, and on a cluster the record's slot): any failing is
+    /// [`Error::InvalidInput`] and nothing is sent. Then one `EVALSHA`: the fence of
+    /// [`complete`](IdempotencyStore::complete) (`LeaseLost`, or `Ok` with nothing written for
+    /// a replay), the writes' conditions and type checks (`EffectRefused`), the writes and the
+    /// completion.
+    async fn complete_with(
+        &self,
+        lease: &Lease,
+        result: Bytes,
+        retention: Duration,
+        writes: RedisWrites,
+    ) -> Result<()> {
+        let config = &self.inner.config;
+        config.limits.check_complete(&result, retention)?;
+        let key = self.storage_key(&lease.key);
+        writes.check(&key, &config.prefix)?;
+        self.check_slots(&key, &writes)?;
+        let mut call = SCRIPTS.complete_with.call(&key);
+        call.arg(lease.token.get())
+            .arg(result.as_ref())
+            .arg(codec::millis(retention));
+        writes.encode(&mut call);
+        self.fenced_call(&key, lease, &call).await.map(drop)
     }
 }

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use common::PrivateRedis;
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Error, FencingToken, Fingerprint, IdempotencyStore,
-    Lease, Namespace, RecordState,
+    AcquireOutcome, AcquireRequest, Bytes, Error, FailureKind, FencingToken, Fingerprint,
+    IdempotencyStore, Lease, LostLease, Namespace, RecordState,
 };
 use idem_redis::{RedisConfig, RedisStore};
 use integer_encoding::VarInt;
@@ -114,6 +114,7 @@ fn source_and_command(line: &str) -> Option<(&str, &str)> {
 struct Counter {
     admin: MultiplexedConnection,
     monitor: Monitor,
+    store: RedisStore,
     n: u32,
 }
 
@@ -122,6 +123,8 @@ struct Counter {
 struct Cost {
     /// Commands the store's connection sent (MONITOR, everything but the admin's and Lua's).
     sent: Vec<String>,
+    /// What `RedisStore::requests_sent` counted meanwhile.
+    requests: u64,
     /// `cmdstat_evalsha` calls added.
     evalsha: u64,
     /// Changes of every other command's call count (scripts' inner calls included), less the
@@ -142,7 +145,9 @@ impl Counter {
             .await
             .unwrap();
         let before = commandstats(&mut self.admin).await;
+        let requests_before = self.store.requests_sent();
         let out = op.await;
+        let requests = self.store.requests_sent() - requests_before;
         let after = commandstats(&mut self.admin).await;
         let _: String = redis::cmd("ECHO")
             .arg(&end)
@@ -161,7 +166,12 @@ impl Counter {
             .filter_map(|l| source_and_command(l))
             .filter(|(source, _)| *source != "lua" && *source != admin_addr)
             .map(|(_, command)| command.to_ascii_uppercase())
-            .collect();
+            .collect::<Vec<_>>();
+        assert_eq!(
+            usize::try_from(requests).unwrap(),
+            sent.len(),
+            "requests_sent counts what the server received from the store: {sent:?}"
+        );
         let mut others: HashMap<String, u64> = after
             .iter()
             .map(|(name, calls)| (name.clone(), calls - before.get(name).copied().unwrap_or(0)))
@@ -180,6 +190,7 @@ impl Counter {
             out,
             Cost {
                 sent,
+                requests,
                 evalsha,
                 others,
             },
@@ -193,6 +204,7 @@ const INNER: &[&str] = &["time", "get", "set", "del", "pexpiretime"];
 fn assert_one_script_call(what: &str, cost: &Cost) {
     println!("{what}: sent {:?}, inner {:?}", cost.sent, cost.others);
     assert_eq!(cost.sent, vec!["EVALSHA".to_owned()], "{what}: {cost:?}");
+    assert_eq!(cost.requests, 1, "{what}: {cost:?}");
     assert_eq!(cost.evalsha, 1, "{what}: {cost:?}");
     for name in cost.others.keys() {
         assert!(
@@ -211,11 +223,14 @@ fn lease_of(outcome: idem_core::Result<AcquireOutcome>) -> Lease {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_transition_is_one_round_trip() {
-    let server = PrivateRedis::start();
+    let Some(server) = PrivateRedis::start() else {
+        return;
+    };
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let mut counter = Counter {
         admin: admin(&server).await,
         monitor: Monitor::start(server.port),
+        store: store.clone(),
         n: 0,
     };
     let ns = Namespace::new("rt").unwrap();
@@ -226,20 +241,15 @@ async fn every_transition_is_one_round_trip() {
             .with_lease_ttl(Duration::from_millis(300))
     };
 
-    // The very first call of a script on a fresh server: NOSCRIPT, SCRIPT LOAD, EVALSHA again.
-    let (first, cost) = counter.measure(store.acquire(&req("warm-up"))).await;
-    println!("first acquire on a fresh server: sent {:?}", cost.sent);
-    assert_eq!(cost.sent, ["EVALSHA", "SCRIPT", "EVALSHA"], "{cost:?}");
-    let warm = lease_of(first);
-    // Load the other scripts once, uncounted.
-    store.extend(&warm, HOUR).await.unwrap();
-    store.release(&warm).await.unwrap();
-    let warm = lease_of(store.acquire(&req("warm-up")).await);
-    store.fail(&warm, "x", true, HOUR).await.unwrap();
-    let warm = lease_of(store.acquire(&req("warm-up")).await);
-    store.complete(&warm, Bytes::new(), HOUR).await.unwrap();
-    store.get(&warm.key).await.unwrap();
-    store.delete(&warm.key).await.unwrap();
+    // `connect` loaded the scripts: even the first call of each is one EVALSHA.
+    let (first, cost) = counter.measure(store.acquire(&req("first"))).await;
+    assert_one_script_call("the first acquire on a fresh server", &cost);
+    let first = lease_of(first);
+    let (extended, cost) = counter.measure(store.extend(&first, HOUR)).await;
+    assert_one_script_call("the first extend", &cost);
+    let (released, cost) = counter.measure(store.release(&extended.unwrap())).await;
+    assert_one_script_call("the first release", &cost);
+    released.unwrap();
 
     let (fresh, cost) = counter.measure(store.acquire(&req("a"))).await;
     assert_one_script_call("acquire (fresh)", &cost);
@@ -299,7 +309,9 @@ async fn every_transition_is_one_round_trip() {
     );
 
     let b = lease_of(store.acquire(&req("b")).await);
-    let (failed, cost) = counter.measure(store.fail(&b, "boom", true, HOUR)).await;
+    let (failed, cost) = counter
+        .measure(store.fail(&b, "boom", FailureKind::Retryable, HOUR))
+        .await;
     assert_one_script_call("fail", &cost);
     failed.unwrap();
 
@@ -318,6 +330,53 @@ async fn every_transition_is_one_round_trip() {
     let (deleted, cost) = counter.measure(store.delete(&b.key)).await;
     assert_one_script_call("delete", &cost);
     assert!(deleted.unwrap());
+
+    // Replays and refusals are one call too.
+    let c = lease_of(store.acquire(&req("c")).await);
+    for kind in FailureKind::ALL {
+        let c = lease_of(store.acquire(&req(&format!("c-{kind}"))).await);
+        store.fail(&c, "boom", kind, HOUR).await.unwrap();
+        let (replayed, cost) = counter.measure(store.fail(&c, "boom", kind, HOUR)).await;
+        assert_one_script_call("fail (replayed)", &cost);
+        replayed.unwrap();
+        let (refused, cost) = counter.measure(store.fail(&c, "bang", kind, HOUR)).await;
+        assert_one_script_call("fail (refused, not in progress)", &cost);
+        assert!(
+            matches!(
+                refused,
+                Err(Error::LeaseLost {
+                    why: LostLease::NotInProgress { .. },
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+    }
+    store.complete(&c, Bytes::new(), HOUR).await.unwrap();
+    let (replayed, cost) = counter
+        .measure(store.complete(&c, Bytes::new(), HOUR))
+        .await;
+    assert_one_script_call("complete (replayed)", &cost);
+    replayed.unwrap();
+
+    // A server that lost its scripts (a restart, SCRIPT FLUSH): EVALSHA answers NOSCRIPT and the
+    // script goes in full with EVAL, which caches it; the next call is one EVALSHA again.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut counter.admin)
+        .await
+        .unwrap();
+    let (flushed, cost) = counter.measure(store.acquire(&req("d"))).await;
+    println!("acquire after SCRIPT FLUSH: sent {:?}", cost.sent);
+    assert_eq!(cost.sent, ["EVALSHA", "EVAL"], "{cost:?}");
+    assert_eq!(cost.requests, 2, "{cost:?}");
+    lease_of(flushed);
+    let (busy, cost) = counter.measure(store.acquire(&req("d"))).await;
+    assert_one_script_call("acquire (after the reload)", &cost);
+    assert!(
+        matches!(busy, Ok(AcquireOutcome::InProgress { .. })),
+        "{busy:?}"
+    );
 }
 
 /// A stored record, decoded here independently of the scripts, following the layout in the
@@ -386,7 +445,9 @@ async fn raw_value(admin: &mut MultiplexedConnection, storage_key: &[u8]) -> (Ve
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_layout_is_one_packed_string_with_key_expiry() {
-    let server = PrivateRedis::start();
+    let Some(server) = PrivateRedis::start() else {
+        return;
+    };
     let store = RedisStore::connect_with(&server.url(), RedisConfig::default())
         .await
         .unwrap();
@@ -465,7 +526,7 @@ async fn stored_layout_is_one_packed_string_with_key_expiry() {
     let req = AcquireRequest::new(key.clone(), "worker-two");
     let first = lease_of(store.acquire(&req).await);
     store
-        .fail(&first, "timeout \u{1F4A5}", true, HOUR)
+        .fail(&first, "timeout \u{1F4A5}", FailureKind::Retryable, HOUR)
         .await
         .unwrap();
     let (value, _) = raw_value(&mut admin, &storage_key).await;
@@ -501,11 +562,62 @@ async fn stored_layout_is_one_packed_string_with_key_expiry() {
     tombstone.extend_from_slice(&second.token.get().to_be_bytes());
     assert_eq!(value, tombstone);
     assert!(pttl > 604_700_000, "{pttl}");
+
+    // Each failure kind is its own state in the head byte (the table in the crate docs), with
+    // the error text as the tail and the retention as the key's expiry; it reads back exactly.
+    for (kind, state) in [
+        (FailureKind::Retryable, 3),
+        (FailureKind::Terminal, 4),
+        (FailureKind::ResultNotStored, 5),
+    ] {
+        let key = ns.key(format!("failed-{kind}")).unwrap();
+        let storage_key = store.storage_key(&key);
+        let lease = lease_of(
+            store
+                .acquire(&AcquireRequest::new(key.clone(), "w").with_max_attempts(1))
+                .await,
+        );
+        let error = format!("why: {kind} \u{e9}");
+        store.fail(&lease, &error, kind, HOUR).await.unwrap();
+        let (value, pttl) = raw_value(&mut admin, &storage_key).await;
+        let packed = unpack(&value);
+        assert_eq!(
+            value[0] & !7,
+            128,
+            "no fingerprint, no created, no lease: {value:?}"
+        );
+        assert_eq!(packed.state, state, "{kind}: {packed:?}");
+        assert_eq!(packed.token, lease.token.get());
+        assert_eq!(packed.owner, "w");
+        assert_eq!(packed.payload, error.as_bytes());
+        assert!(pttl > 3_590_000 && pttl <= 3_600_000, "{pttl}");
+        let record = store.get(&key).await.unwrap().unwrap();
+        assert_eq!(
+            record.state,
+            RecordState::Failed {
+                error: error.clone(),
+                kind
+            }
+        );
+        let again = store
+            .acquire(&AcquireRequest::new(key, "w").with_max_attempts(1))
+            .await;
+        let expected = match kind {
+            FailureKind::Retryable => AcquireOutcome::Exhausted {
+                attempts: 1,
+                last_error: Some(error),
+            },
+            _ => AcquireOutcome::Failed { error, kind },
+        };
+        assert_eq!(again.unwrap(), expected, "{kind}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outage_is_unavailable_then_the_store_reconnects() {
-    let mut server = PrivateRedis::start();
+    let Some(mut server) = PrivateRedis::start() else {
+        return;
+    };
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let ns = Namespace::new("outage").unwrap();
     let lease = lease_of(
@@ -551,14 +663,22 @@ async fn outage_is_unavailable_then_the_store_reconnects() {
     );
     let r = store.complete(&lease, Bytes::new(), HOUR).await;
     assert!(
-        matches!(r, Err(Error::LeaseLost { current: None, .. })),
+        matches!(
+            r,
+            Err(Error::LeaseLost {
+                why: LostLease::Gone,
+                ..
+            })
+        ),
         "{r:?}"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_records_are_corrupt_and_left_alone() {
-    let server = PrivateRedis::start();
+    let Some(server) = PrivateRedis::start() else {
+        return;
+    };
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let mut admin = admin(&server).await;
     let ns = Namespace::new("corrupt").unwrap();
@@ -589,8 +709,8 @@ async fn undecodable_records_are_corrupt_and_left_alone() {
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         (
             "bad-state",
-            with_token(128 + 5, b"\x01\x00\x01w"),
-            "unknown state 5",
+            with_token(128 + 6, b"\x01\x00\x01w"),
+            "unknown state 6",
         ),
         ("truncated", with_token(128 + 2, b""), "truncated"),
         (
@@ -694,7 +814,7 @@ async fn every_operation(
         store.delete(key).await.map(drop),
         store.extend(&lease, HOUR).await.map(drop),
         store.complete(&lease, Bytes::new(), HOUR).await,
-        store.fail(&lease, "e", true, HOUR).await,
+        store.fail(&lease, "e", FailureKind::Retryable, HOUR).await,
         store.release(&lease).await,
     ]
 }
@@ -704,7 +824,9 @@ async fn every_operation(
 /// back right.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_above_the_clock_round_trip() {
-    let server = PrivateRedis::start();
+    let Some(server) = PrivateRedis::start() else {
+        return;
+    };
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let mut admin = admin(&server).await;
     let key = Namespace::new("ahead").unwrap().key("k").unwrap();
@@ -769,7 +891,9 @@ async fn tokens_above_the_clock_round_trip() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_server_is_unavailable_within_the_bound() {
-    let server = PrivateRedis::start();
+    let Some(server) = PrivateRedis::start() else {
+        return;
+    };
     let config = RedisConfig::default()
         .with_response_timeout(Duration::from_millis(300))
         .with_operation_timeout(Duration::from_secs(1));
@@ -823,7 +947,9 @@ async fn stalled_server_is_unavailable_within_the_bound() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_memory_is_unavailable() {
-    let server = PrivateRedis::start();
+    let Some(server) = PrivateRedis::start() else {
+        return;
+    };
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let mut admin = admin(&server).await;
     let key = Namespace::new("oom").unwrap().key("k").unwrap();

@@ -7,8 +7,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Error, Fingerprint, IdempotencyStore, Lease, Namespace,
-    RecordState,
+    AcquireOutcome, AcquireRequest, Bytes, Error, FailureKind, Fingerprint, IdempotencyStore,
+    Lease, LostLease, Namespace, RecordState, StateKind,
 };
 use idem_redis::RedisStore;
 
@@ -68,7 +68,7 @@ async fn lifecycle(store: RedisStore) {
     assert_eq!(second.attempt, 2);
     let zombie = store.complete(&first, Bytes::from_static(b"x"), HOUR).await;
     assert!(
-        matches!(&zombie, Err(Error::LeaseLost { current: Some(t), .. }) if *t == second.token),
+        matches!(&zombie, Err(Error::LeaseLost { why: LostLease::Superseded { current }, .. }) if *current == second.token),
         "{zombie:?}"
     );
 
@@ -88,10 +88,16 @@ async fn lifecycle(store: RedisStore) {
     assert_eq!(third.attempt, 2);
 
     // Retryable failure, then attempts run out.
-    store.fail(&third, "boom", true, HOUR).await.unwrap();
+    store
+        .fail(&third, "boom", FailureKind::Retryable, HOUR)
+        .await
+        .unwrap();
     let fourth = acquired(&store, &req).await;
     assert_eq!(fourth.attempt, 3);
-    store.fail(&fourth, "boom again", true, HOUR).await.unwrap();
+    store
+        .fail(&fourth, "boom again", FailureKind::Retryable, HOUR)
+        .await
+        .unwrap();
     for _ in 0..2 {
         let r = store.acquire(&req).await;
         assert!(
@@ -129,10 +135,13 @@ async fn lifecycle(store: RedisStore) {
     assert!(sixth.token > fifth.token);
 
     // Terminal failure is replayed and never re-run.
-    store.fail(&sixth, "", false, HOUR).await.unwrap();
+    store
+        .fail(&sixth, "", FailureKind::Terminal, HOUR)
+        .await
+        .unwrap();
     let r = store.acquire(&req).await;
     assert!(
-        matches!(&r, Ok(AcquireOutcome::Failed { error }) if error.is_empty()),
+        matches!(&r, Ok(AcquireOutcome::Failed { error, kind: FailureKind::Terminal }) if error.is_empty()),
         "{r:?}"
     );
 }
@@ -255,12 +264,18 @@ async fn hostile_keys(store: RedisStore) {
 
 async fn unreachable_is_unavailable_quickly(
     connect: impl Future<Output = idem_core::Result<RedisStore>>,
+    name: &str,
 ) {
     let started = Instant::now();
     let r = connect.await;
     assert!(
-        matches!(r, Err(Error::Unavailable { store: "redis", .. })),
+        matches!(&r, Err(Error::Unavailable { store, .. }) if *store == name),
         "{r:?}"
+    );
+    let text = r.unwrap_err().to_string();
+    assert!(
+        text.starts_with(&format!("{name} store unavailable: ")) && text.len() > name.len() + 30,
+        "the message names the store and the cause: {text}"
     );
     assert!(
         started.elapsed() < Duration::from_secs(5),
@@ -300,11 +315,52 @@ async fn raw(store: &RedisStore, key: &idem_core::IdempotencyKey) -> (Vec<u8>, i
     }
 }
 
+/// Runs `cmd` over a plain admin connection (cluster-routed on a cluster store).
+async fn admin_query<T: redis::FromRedisValue>(store: &RedisStore, cmd: &redis::Cmd) -> T {
+    if store.is_cluster() {
+        let mut admin = redis::cluster::ClusterClient::new(common::cluster_nodes())
+            .unwrap()
+            .get_async_connection()
+            .await
+            .unwrap();
+        cmd.query_async(&mut admin).await.unwrap()
+    } else {
+        let mut admin = redis::Client::open(common::url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        cmd.query_async(&mut admin).await.unwrap()
+    }
+}
+
+/// `name()` is `redis` or `redis-cluster`, and so is the `store` of the errors it returns.
+async fn names_itself(store: RedisStore, name: &str) {
+    assert_eq!(store.name(), name);
+    let key = ns().key("not-a-record").unwrap();
+    let mut set = redis::cmd("SET");
+    set.arg(store.storage_key(&key))
+        .arg("some other application's text");
+    let () = admin_query(&store, &set).await;
+    let r = store.get(&key).await;
+    assert!(
+        matches!(&r, Err(Error::CorruptRecord { store, reason, .. }) if *store == name && reason.contains("format")),
+        "{r:?}"
+    );
+    let text = r.unwrap_err().to_string();
+    assert!(
+        text.starts_with(&format!("corrupt record in {name} store for ")),
+        "{text}"
+    );
+}
+
 /// A transition sent again with the same lease (its first reply lost, the request re-sent)
-/// finds its own effect and succeeds; any other transition with that lease stays fenced off.
+/// finds its own effect and succeeds without writing anything (the stored bytes and expiry stay
+/// as they were); any other transition with that lease stays fenced off, saying why.
 async fn replayed_transitions_succeed(store: RedisStore) {
     let ns = ns();
-    let lost = |r: &idem_core::Result<()>, token| matches!(r, Err(Error::LeaseLost { current: Some(t), .. }) if *t == token);
+    let not_in = |state| LostLease::NotInProgress { state };
+    let lost = |r: &idem_core::Result<()>, why: LostLease| matches!(r, Err(Error::LeaseLost { why: w, .. }) if *w == why);
 
     // complete, twice with the same result: Ok both times, the record unchanged.
     let key = ns.key("complete").unwrap();
@@ -313,24 +369,32 @@ async fn replayed_transitions_succeed(store: RedisStore) {
         .complete(&lease, Bytes::from_static(b"done"), HOUR)
         .await
         .unwrap();
-    let before = raw(&store, &key).await.0;
+    let before = raw(&store, &key).await;
+    // Another retention does not make it another completion.
     store
-        .complete(&lease, Bytes::from_static(b"done"), HOUR)
+        .complete(&lease, Bytes::from_static(b"done"), 2 * HOUR)
         .await
         .unwrap();
-    assert_eq!(raw(&store, &key).await.0, before);
+    let after = raw(&store, &key).await;
+    assert_eq!(after.0, before.0);
+    assert!(after.1 <= before.1, "the expiry was not pushed back");
     // A different result, or another transition, is not a replay.
+    let completed = not_in(StateKind::Completed);
     let r = store
         .complete(&lease, Bytes::from_static(b"other"), HOUR)
         .await;
-    assert!(lost(&r, lease.token), "{r:?}");
+    assert!(lost(&r, completed), "{r:?}");
     let r = store.complete(&lease, Bytes::new(), HOUR).await;
-    assert!(lost(&r, lease.token), "{r:?}");
-    let r = store.fail(&lease, "done", false, HOUR).await;
-    assert!(lost(&r, lease.token), "{r:?}");
+    assert!(lost(&r, completed), "{r:?}");
+    for kind in FailureKind::ALL {
+        let r = store.fail(&lease, "done", kind, HOUR).await;
+        assert!(lost(&r, completed), "{r:?}");
+    }
     let r = store.release(&lease).await;
-    assert!(lost(&r, lease.token), "{r:?}");
-    assert_eq!(raw(&store, &key).await.0, before);
+    assert!(lost(&r, completed), "{r:?}");
+    let r = store.extend(&lease, HOUR).await.map(drop);
+    assert!(lost(&r, completed), "{r:?}");
+    assert_eq!(raw(&store, &key).await.0, before.0);
 
     // An empty result replays too.
     let key = ns.key("complete-empty").unwrap();
@@ -338,23 +402,30 @@ async fn replayed_transitions_succeed(store: RedisStore) {
     store.complete(&lease, Bytes::new(), HOUR).await.unwrap();
     store.complete(&lease, Bytes::new(), HOUR).await.unwrap();
     let r = store.complete(&lease, Bytes::from_static(b"x"), HOUR).await;
-    assert!(lost(&r, lease.token), "{r:?}");
+    assert!(lost(&r, completed), "{r:?}");
 
-    // fail: same error and flag replays; another error or flag does not.
-    for retryable in [true, false] {
-        let key = ns.key(format!("fail-{retryable}")).unwrap();
+    // fail: the same error and kind replays; another error or kind does not.
+    for kind in FailureKind::ALL {
+        let key = ns.key(format!("fail-{kind}")).unwrap();
         let lease = acquired(&store, &AcquireRequest::new(key.clone(), "w")).await;
-        store.fail(&lease, "boom", retryable, HOUR).await.unwrap();
+        store.fail(&lease, "boom", kind, HOUR).await.unwrap();
         let before = raw(&store, &key).await.0;
-        store.fail(&lease, "boom", retryable, HOUR).await.unwrap();
-        let r = store.fail(&lease, "boom", !retryable, HOUR).await;
-        assert!(lost(&r, lease.token), "{r:?}");
-        let r = store.fail(&lease, "bang", retryable, HOUR).await;
-        assert!(lost(&r, lease.token), "{r:?}");
+        store.fail(&lease, "boom", kind, HOUR).await.unwrap();
+        let failed = not_in(StateKind::Failed(kind));
+        for other in FailureKind::ALL.into_iter().filter(|k| *k != kind) {
+            let r = store.fail(&lease, "boom", other, HOUR).await;
+            assert!(lost(&r, failed), "{kind} then {other}: {r:?}");
+        }
+        let r = store.fail(&lease, "bang", kind, HOUR).await;
+        assert!(lost(&r, failed), "{r:?}");
+        let r = store.fail(&lease, "boom ", kind, HOUR).await;
+        assert!(lost(&r, failed), "{r:?}");
         let r = store
             .complete(&lease, Bytes::from_static(b"boom"), HOUR)
             .await;
-        assert!(lost(&r, lease.token), "{r:?}");
+        assert!(lost(&r, failed), "{r:?}");
+        let r = store.release(&lease).await;
+        assert!(lost(&r, failed), "{r:?}");
         assert_eq!(raw(&store, &key).await.0, before);
     }
 
@@ -362,9 +433,11 @@ async fn replayed_transitions_succeed(store: RedisStore) {
     let key = ns.key("release").unwrap();
     let lease = acquired(&store, &AcquireRequest::new(key.clone(), "w")).await;
     store.release(&lease).await.unwrap();
+    let before = raw(&store, &key).await.0;
     store.release(&lease).await.unwrap();
+    assert_eq!(raw(&store, &key).await.0, before);
     let r = store.complete(&lease, Bytes::new(), HOUR).await;
-    assert!(lost(&r, lease.token), "{r:?}");
+    assert!(lost(&r, not_in(StateKind::Released)), "{r:?}");
     let record = store.get(&key).await.unwrap().unwrap();
     assert_eq!(record.state, RecordState::Released);
     assert_eq!(record.attempts, 0);
@@ -376,7 +449,15 @@ async fn replayed_transitions_succeed(store: RedisStore) {
     store.release(&first).await.unwrap();
     let second = acquired(&store, &req).await;
     let r = store.release(&first).await;
-    assert!(lost(&r, second.token), "{r:?}");
+    assert!(
+        lost(
+            &r,
+            LostLease::Superseded {
+                current: second.token
+            }
+        ),
+        "{r:?}"
+    );
 }
 
 /// `delete` leaves a tombstone holding only the token, honoured by every script.
@@ -412,12 +493,18 @@ async fn delete_leaves_a_tombstone(store: RedisStore) {
         store
             .complete(&first, Bytes::from_static(b"ok"), HOUR)
             .await,
-        store.fail(&first, "x", true, HOUR).await,
+        store.fail(&first, "x", FailureKind::Retryable, HOUR).await,
         store.release(&first).await,
         store.extend(&first, HOUR).await.map(drop),
     ] {
         assert!(
-            matches!(r, Err(Error::LeaseLost { current: None, .. })),
+            matches!(
+                r,
+                Err(Error::LeaseLost {
+                    why: LostLease::Gone,
+                    ..
+                })
+            ),
             "{r:?}"
         );
     }
@@ -453,32 +540,55 @@ mod standalone {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn replayed_transitions_succeed() {
-        super::replayed_transitions_succeed(common::standalone().await).await;
+        let Some(store) = common::standalone().await else {
+            return;
+        };
+        super::replayed_transitions_succeed(store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn delete_leaves_a_tombstone() {
-        super::delete_leaves_a_tombstone(common::standalone().await).await;
+        let Some(store) = common::standalone().await else {
+            return;
+        };
+        super::delete_leaves_a_tombstone(store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lifecycle() {
-        super::lifecycle(common::standalone().await).await;
+        let Some(store) = common::standalone().await else {
+            return;
+        };
+        super::lifecycle(store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bad_input_sends_nothing() {
-        super::bad_input_sends_nothing(common::standalone().await).await;
+        let Some(store) = common::standalone().await else {
+            return;
+        };
+        super::bad_input_sends_nothing(store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hostile_keys() {
-        super::hostile_keys(common::standalone().await).await;
+        let Some(store) = common::standalone().await else {
+            return;
+        };
+        super::hostile_keys(store).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn names_itself() {
+        let Some(store) = common::standalone().await else {
+            return;
+        };
+        super::names_itself(store, "redis").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn unreachable_is_unavailable_quickly() {
-        super::unreachable_is_unavailable_quickly(common::unreachable()).await;
+        super::unreachable_is_unavailable_quickly(common::unreachable(), "redis").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -496,27 +606,41 @@ mod cluster {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn replayed_transitions_succeed() {
-        super::replayed_transitions_succeed(common::cluster().await).await;
+        let Some(store) = common::cluster().await else {
+            return;
+        };
+        super::replayed_transitions_succeed(store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn delete_leaves_a_tombstone() {
-        super::delete_leaves_a_tombstone(common::cluster().await).await;
+        let Some(store) = common::cluster().await else {
+            return;
+        };
+        super::delete_leaves_a_tombstone(store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lifecycle() {
-        super::lifecycle(common::cluster().await).await;
+        let Some(store) = common::cluster().await else {
+            return;
+        };
+        super::lifecycle(store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bad_input_sends_nothing() {
-        super::bad_input_sends_nothing(common::cluster().await).await;
+        let Some(store) = common::cluster().await else {
+            return;
+        };
+        super::bad_input_sends_nothing(store).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn hostile_keys() {
-        let store = common::cluster().await;
+        let Some(store) = common::cluster().await else {
+            return;
+        };
         assert!(store.is_cluster());
         super::hostile_keys(store.clone()).await;
 
@@ -548,8 +672,17 @@ mod cluster {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn names_itself() {
+        let Some(store) = common::cluster().await else {
+            return;
+        };
+        super::names_itself(store, "redis-cluster").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn unreachable_is_unavailable_quickly() {
-        super::unreachable_is_unavailable_quickly(common::unreachable_cluster()).await;
+        super::unreachable_is_unavailable_quickly(common::unreachable_cluster(), "redis-cluster")
+            .await;
     }
 
     /// A master of the test cluster: node id, a plain connection, slot ranges.
@@ -620,7 +753,9 @@ mod cluster {
     /// MOVED itself, so a slot being migrated or already moved is still served.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redirections_are_followed() {
-        let store = common::cluster().await;
+        let Some(store) = common::cluster().await else {
+            return;
+        };
         let ns = ns();
         let key = ns.key("moving").unwrap();
         let storage_key = store.storage_key(&key);

@@ -190,9 +190,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 d.not_before = Instant::now() + after;
                 queue.push_back(d);
             }
-            BrokerAction::DeadLetter { reason } => {
-                println!("    {shown} -> dead-letter: {reason}");
-                dead_letters.push((d.label, reason));
+            BrokerAction::DeadLetter { reason, error } => {
+                println!("    {shown} -> dead-letter ({reason}): {error}");
+                dead_letters.push((d.label, reason, error));
             }
             other => println!("    {shown} -> {other:?}"),
         }
@@ -203,8 +203,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("  {id}: {amount} (token {token})");
     }
     println!("dead-letter queue:");
-    for (label, reason) in &dead_letters {
-        println!("  {label}: {reason}");
+    for (label, reason, error) in &dead_letters {
+        println!("  {label}: {reason} ({error})");
     }
     Ok(())
 }

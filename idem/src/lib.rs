@@ -2,6 +2,14 @@
 
 pub use idem_core::*;
 
+/// The executor: the middleware a consumer wraps its message handler with.
+pub use idem_executor as executor;
+pub use idem_executor::{
+    BrokerAction, Commit, CommitRefusal, ConfigError, DeadLetterReason, EffectRefusedPolicy,
+    Executor, ExecutorBuilder, ExecutorConfig, ExecutorError, Handler, HandlerContext,
+    HandlerError, KeySource, Message, Outcome, RawMessage, TransactionalExecutor,
+};
+
 /// The Redis store: one Lua script per transition, standalone and Redis Cluster.
 #[cfg(feature = "redis")]
 pub use idem_redis as redis;

@@ -1,5 +1,10 @@
 //! Shared test support: the server URL, a fresh schema per test run, and a protocol-counting
 //! TCP proxy.
+//!
+//! Every test that needs the server starts with one call here (`server`, `store` or
+//! `store_with`): when nothing answers at `IDEM_POSTGRES_URL` it returns `false` (or `None`)
+//! and the test returns early, after one "skipped" line for the suite, or, with `CI` set,
+//! panics (see `idem_conformance::servers`). `admin` and the rest assume that call was made.
 #![allow(dead_code, unreachable_pub)]
 
 pub mod proxy;
@@ -8,6 +13,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use idem_conformance::servers;
 use idem_postgres::{PostgresConfig, PostgresStore};
 
 /// Where the tests find PostgreSQL.
@@ -19,6 +25,11 @@ const PREFIX: &str = "idem_t";
 
 pub fn url() -> String {
     std::env::var(ENV).unwrap_or_else(|_| DEFAULT_URL.to_owned())
+}
+
+/// Whether the server answers; `false` (the test returns early) outside CI when it does not.
+pub fn server() -> bool {
+    servers::endpoint("postgres", ENV, DEFAULT_URL).is_some()
 }
 
 /// A schema name unique to this run: `idem_t<unix seconds>_<random>`.
@@ -36,8 +47,8 @@ pub fn run_schema() -> &'static str {
     SCHEMA.get_or_init(fresh_schema)
 }
 
-/// A direct connection for setup and inspection. Fails the test (never skips it) when the server
-/// is not there.
+/// A direct connection for setup and inspection. Fails the test when the server is not there:
+/// call [`server`] (or [`store`]) first.
 pub async fn admin() -> tokio_postgres::Client {
     let url = url();
     let connected = tokio::time::timeout(
@@ -104,19 +115,36 @@ pub fn config(schema: &str) -> PostgresConfig {
         .with_schema(schema)
 }
 
-/// A migrated store in `schema`.
-pub async fn store_with(config: PostgresConfig) -> PostgresStore {
-    let _ = admin().await; // fails with a clear message when the server is missing
+/// A migrated store with `config`; `None` (the test returns early) when the server is missing,
+/// outside CI.
+pub async fn store_with(config: PostgresConfig) -> Option<PostgresStore> {
+    if !server() {
+        return None;
+    }
+    let _ = admin().await; // sweeps old schemas; fails clearly when the server does not answer
     let store = PostgresStore::connect(config)
         .await
         .expect("valid configuration");
     store.migrate().await.expect("migrate");
-    store
+    Some(store)
 }
 
-/// A migrated store in this run's schema.
-pub async fn store() -> PostgresStore {
+/// A migrated store in this run's schema (see [`store_with`]).
+pub async fn store() -> Option<PostgresStore> {
     store_with(config(run_schema())).await
+}
+
+/// A store in this run's schema (migrated) that connects through a fresh counting proxy, and
+/// that proxy: the proxy sees this store's traffic and nothing else. `None` as [`store`].
+pub async fn proxied_store(
+    configure: impl FnOnce(PostgresConfig) -> PostgresConfig,
+) -> Option<(PostgresStore, proxy::Proxy)> {
+    store().await?;
+    let proxy = proxy::Proxy::start(upstream_addr().await).await;
+    let store = PostgresStore::connect(configure(config_via(proxy.addr, run_schema())))
+        .await
+        .expect("valid configuration");
+    Some((store, proxy))
 }
 
 /// The test server's TCP address (for the proxy).

@@ -5,7 +5,8 @@
 --   {2, result}                                              replayed
 --   {3}                                                      conflict
 --   {4, attempts, has_error 0/1, error}                      exhausted
---   {5, error}                                               failed terminally
+--   {5, error, state}                                        failed terminally (state 4
+--                                                            terminal, 5 result not stored)
 local owner = ARGV[1]
 local lease = tonumber(ARGV[2])
 local max_attempts = tonumber(ARGV[3])
@@ -25,7 +26,7 @@ end
 
 if r == nil or r.state == TOMBSTONE or past_retention(now) then
   local t = next_token()
-  local fresh = {state = 0, token = t, attempts = 1, updated = now, created = now,
+  local fresh = {state = IN_PROGRESS, token = t, attempts = 1, updated = now, created = now,
     lease = now + lease, owner = owner, payload = ''}
   if fp ~= '' then
     fresh.fp = fp
@@ -47,7 +48,7 @@ local function reacquire(takeover)
   local t = next_token()
   r.token = t
   r.tok = nil
-  r.state = 0
+  r.state = IN_PROGRESS
   r.attempts = attempts + 1
   r.owner = owner
   r.updated = now
@@ -57,7 +58,7 @@ local function reacquire(takeover)
   return {0, t, attempts + 1, now + lease, takeover and 1 or 0}
 end
 
-if state == 0 then
+if state == IN_PROGRESS then
   if r.lease > now then
     return {1, r.owner, r.lease - now}
   end
@@ -65,17 +66,18 @@ if state == 0 then
     return reacquire(true)
   end
   return {4, attempts, 0, ''}
-elseif state == 1 then
+elseif state == RELEASED then
   if attempts < max_attempts then
     return reacquire(false)
   end
   return {4, attempts, 0, ''}
-elseif state == 2 then
+elseif state == COMPLETED then
   return {2, r.payload}
-elseif state == 3 then
+elseif state == FAILED_RETRYABLE then
   if attempts < max_attempts then
     return reacquire(false)
   end
   return {4, attempts, 1, r.payload}
 end
-return {5, r.payload}
+-- FAILED_TERMINAL or FAILED_NOT_STORED (load refuses any other state).
+return {5, r.payload, state}

@@ -5,9 +5,10 @@
 -- the same table):
 --   1 byte    head: 128 (format 1) + state + 8 (fingerprint) + 16 (created) + 32 (lease);
 --             state 0 in progress, 1 released, 2 completed, 3 failed retryable,
---             4 failed terminal, 7 tombstone (left by delete: only the token follows); 64 is
---             reserved. A head is 128..191, never the first byte of UTF-8 text, so no text value
---             under the prefix is mistaken for a record
+--             4 failed terminal, 5 failed result not stored (terminal: the work ran, its result
+--             could not be kept), 7 tombstone (left by delete: only the token follows); state 6
+--             and flag 64 are reserved. A head is 128..191, never the first byte of UTF-8 text,
+--             so no text value under the prefix is mistaken for a record
 --   8 bytes   fencing token, unsigned big-endian
 --   varint    attempts
 --   zigzag    updated_at - base, in ms, where base = floor(token / 1000)
@@ -28,6 +29,9 @@
 local key = KEYS[1]
 
 local FORMAT = 128
+-- States (the low 3 bits of the head byte).
+local IN_PROGRESS, RELEASED, COMPLETED = 0, 1, 2
+local FAILED_RETRYABLE, FAILED_TERMINAL, FAILED_NOT_STORED = 3, 4, 5
 local TOMBSTONE = 7
 
 -- Decimal text of an integer-valued number, never in exponent notation.
@@ -135,7 +139,7 @@ local function load()
     end
     return {state = state, tok = tok, token = token}
   end
-  if state > 4 then
+  if state > FAILED_NOT_STORED then
     corrupt('unknown state ' .. int(state))
   end
   local flags = (head - FORMAT - state) / 8
@@ -207,20 +211,34 @@ end
 
 -- The fence of every transition after acquire: the record exists (a tombstone counts as
 -- absent), is not past retention, is in progress and carries the token whose decimal text is
--- `token` (compared as text: exact whatever the caller sends). Returns the record; or nil, the
--- current token (-1 when the record is absent, a tombstone or past retention) and, when the
--- record carries `token` but is no longer in progress, the record (so that the caller can
--- recognise a replay of its own transition).
+-- `token` (compared as text: exact whatever the caller sends). Returns the record; or nil and
+-- what was found instead: the record, or nil when it is absent, a tombstone or past retention.
 local function fence(token, now)
   local r = load()
   if r == nil or r.state == TOMBSTONE or past_retention(now) then
-    return nil, -1
+    return nil, nil
   end
-  if int(r.token) ~= token then
-    return nil, r.token
-  end
-  if r.state ~= 0 then
-    return nil, r.token, r
+  if int(r.token) ~= token or r.state ~= IN_PROGRESS then
+    return nil, r
   end
   return r
+end
+
+-- Whether `found` (what `fence` refused) is exactly what a finishing transition with `token`
+-- leaves behind: the caller's token, state `state` and stored bytes `payload`. Such a call is a
+-- re-send of a transition that already took effect (its reply was lost): it answers as applied
+-- and changes nothing.
+local function replayed(found, token, state, payload)
+  return found ~= nil and found.state == state and found.payload == payload
+    and int(found.token) == token
+end
+
+-- The reply of a refused transition: {0} when there is no record (absent, a tombstone or past
+-- retention), else {0, token, state} of the record found, so that the caller can say whether its
+-- token was superseded or the record is no longer in progress.
+local function refused(found)
+  if found == nil then
+    return {0}
+  end
+  return {0, found.token, found.state}
 end

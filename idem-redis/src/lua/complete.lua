@@ -1,15 +1,15 @@
--- complete(KEYS[1]; token, result, retention_ms) -> {1} or {0, current_token or -1}
--- Replay-safe: {1} again when the record already is completed with this token and this result.
+-- complete(KEYS[1]; token, result, retention_ms) -> {1}, or a refusal (see `refused`)
+-- Replay-safe: {1} again, changing nothing, when the record already is completed with this token
+-- and these result bytes.
 local now_us, now = clock()
-local r, current, done = fence(ARGV[1], now)
+local r, found = fence(ARGV[1], now)
 if r == nil then
-  -- A replay of this very completion (the first run's reply was lost): already done.
-  if done ~= nil and done.state == 2 and done.payload == ARGV[2] then
+  if replayed(found, ARGV[1], COMPLETED, ARGV[2]) then
     return {1}
   end
-  return {0, current}
+  return refused(found)
 end
-r.state = 2
+r.state = COMPLETED
 r.lease = nil
 r.updated = now
 r.payload = ARGV[2]

@@ -1,18 +1,18 @@
--- fail(KEYS[1]; token, error, retryable 0/1, retention_ms)
---   -> {1} or {0, current_token or -1}
--- Replay-safe: {1} again when the record already failed with this token, error and flag.
-local now_us, now = clock()
-local state = 4
-if ARGV[3] == '1' then
-  state = 3
+-- fail(KEYS[1]; token, error, state, retention_ms) -> {1}, or a refusal (see `refused`)
+-- `state` is the failed state to store: 3 retryable, 4 terminal, 5 result not stored.
+-- Replay-safe: {1} again, changing nothing, when the record already failed with this token, this
+-- error text and this state.
+local state = tonumber(ARGV[3])
+if state ~= FAILED_RETRYABLE and state ~= FAILED_TERMINAL and state ~= FAILED_NOT_STORED then
+  return redis.error_reply('ERR idem fail: unknown failed state ' .. tostring(ARGV[3]))
 end
-local r, current, done = fence(ARGV[1], now)
+local now_us, now = clock()
+local r, found = fence(ARGV[1], now)
 if r == nil then
-  -- A replay of this very failure (the first run's reply was lost): already done.
-  if done ~= nil and done.state == state and done.payload == ARGV[2] then
+  if replayed(found, ARGV[1], state, ARGV[2]) then
     return {1}
   end
-  return {0, current}
+  return refused(found)
 end
 r.state = state
 r.lease = nil

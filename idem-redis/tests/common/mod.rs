@@ -1,4 +1,9 @@
 //! Test helpers: endpoints from the environment, random prefixes, private servers.
+//!
+//! Every test that needs a server starts with one call here (`standalone`, `cluster`,
+//! `PrivateRedis::start`, `programs`): when the server or program is missing it returns `None`
+//! and the test returns early, after one "skipped" line per suite, or, with `CI` set, panics (see
+//! `idem_conformance::servers`).
 #![allow(dead_code, unreachable_pub)]
 
 use std::net::TcpListener;
@@ -6,20 +11,25 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use idem_conformance::servers;
 use idem_redis::{RedisConfig, RedisStore};
 
 pub const URL_VAR: &str = "IDEM_REDIS_URL";
 pub const CLUSTER_VAR: &str = "IDEM_REDIS_CLUSTER_NODES";
+const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
+const DEFAULT_CLUSTER: &str =
+    "redis://127.0.0.1:7001,redis://127.0.0.1:7002,redis://127.0.0.1:7003";
 
+/// The standalone server's URL (the server is known to answer once `standalone` returned a
+/// store).
 pub fn url() -> String {
-    std::env::var(URL_VAR).unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+    std::env::var(URL_VAR).unwrap_or_else(|_| DEFAULT_URL.to_owned())
 }
 
+/// The cluster's nodes (known to answer once `cluster` returned a store).
 pub fn cluster_nodes() -> Vec<String> {
     std::env::var(CLUSTER_VAR)
-        .unwrap_or_else(|_| {
-            "redis://127.0.0.1:7001,redis://127.0.0.1:7002,redis://127.0.0.1:7003".to_owned()
-        })
+        .unwrap_or_else(|_| DEFAULT_CLUSTER.to_owned())
         .split(',')
         .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
@@ -35,29 +45,48 @@ pub fn config() -> RedisConfig {
     RedisConfig::default().with_prefix(random_prefix())
 }
 
-/// The standalone store under test; fails (never skips) when the server is missing.
-pub async fn standalone() -> RedisStore {
-    let url = url();
-    RedisStore::connect_with(&url, config())
+/// The standalone store under test, with a fresh prefix; `None` (the test skips) when nothing
+/// answers at `IDEM_REDIS_URL` outside CI.
+pub async fn standalone() -> Option<RedisStore> {
+    let url = servers::endpoint("redis", URL_VAR, DEFAULT_URL)?;
+    let store = RedisStore::connect_with(&url, config())
         .await
         .unwrap_or_else(|e| {
             panic!(
-                "no Redis at {url} ({e}); set {URL_VAR} or start one with scripts/services.sh redis"
+                "Redis at {url} answers but the store cannot use it ({e}); set {URL_VAR} or \
+                 start one with scripts/services.sh redis"
             )
-        })
+        });
+    Some(store)
 }
 
-/// The cluster store under test; fails (never skips) when the cluster is missing.
-pub async fn cluster() -> RedisStore {
+/// The cluster store under test, with a fresh prefix; `None` (the test skips) when nothing
+/// answers at `IDEM_REDIS_CLUSTER_NODES` outside CI.
+pub async fn cluster() -> Option<RedisStore> {
+    servers::endpoint("redis-cluster", CLUSTER_VAR, DEFAULT_CLUSTER)?;
     let nodes = cluster_nodes();
-    RedisStore::connect_cluster_with(&nodes, config())
+    let store = RedisStore::connect_cluster_with(&nodes, config())
         .await
         .unwrap_or_else(|e| {
             panic!(
-                "no Redis Cluster at {nodes:?} ({e}); set {CLUSTER_VAR} or start one with \
-                 scripts/services.sh redis-cluster"
+                "the Redis Cluster at {nodes:?} answers but the store cannot use it ({e}); set \
+                 {CLUSTER_VAR} or start one with scripts/services.sh redis-cluster"
             )
-        })
+        });
+    Some(store)
+}
+
+/// Whether the programs a private-server suite runs are installed (each test of such a suite
+/// starts with this, or with `PrivateRedis::start`); `false` (the test skips) outside CI.
+pub fn programs(suite: &str, programs: &[&str]) -> bool {
+    programs.iter().all(|program| {
+        let hint = match *program {
+            "redis-server" => "scripts/services.sh redis installs it",
+            "openssl" => "the Debian package openssl has it",
+            _ => "install it",
+        };
+        servers::program(suite, program, hint)
+    })
 }
 
 /// A store pointed at 127.0.0.1:1, where nothing listens.
@@ -74,47 +103,61 @@ pub struct PrivateRedis {
     child: Child,
     pub port: u16,
     dir: PathBuf,
+    /// Persistence arguments, kept for `restart`.
+    persistence: Vec<String>,
 }
 
 impl PrivateRedis {
-    pub fn start() -> Self {
+    /// A server on a free port, without persistence; `None` (the test skips) when
+    /// `redis-server` is not installed, outside CI.
+    pub fn start() -> Option<Self> {
+        Self::start_with(&["--appendonly", "no"])
+    }
+
+    /// A server on a free port with `persistence` (for instance `--appendonly yes`), in a fresh
+    /// data directory that survives `kill` and `restart`; `None` as for `start`.
+    pub fn start_with(persistence: &[&str]) -> Option<Self> {
+        if !programs("redis (private servers)", &["redis-server"]) {
+            return None;
+        }
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .expect("a free port");
-        Self::start_on(port)
+        Some(Self::spawn(port, persistence))
     }
 
+    /// A server on `port` (a test that restarts its own server; `start` checked the program).
     pub fn start_on(port: u16) -> Self {
-        let dir = std::env::temp_dir().join(format!("idem-redis-test-{port}"));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let child = Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(&dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot run redis-server ({e}); install it with scripts/services.sh redis")
-            });
-        let server = Self { child, port, dir };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "private redis-server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
+        Self::spawn(port, &["--appendonly", "no"])
     }
 
-    /// Kills the server now (the test's outage).
+    fn spawn(port: u16, persistence: &[&str]) -> Self {
+        let dir = std::env::temp_dir().join(format!("idem-redis-test-{port}"));
+        // A directory left by an earlier run on this port may hold its data.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let persistence: Vec<String> = persistence.iter().map(|s| (*s).to_owned()).collect();
+        let child = run_server(port, &dir, &persistence);
+        Self {
+            child,
+            port,
+            dir,
+            persistence,
+        }
+    }
+
+    /// Kills the server now (`SIGKILL`: the test's outage).
     pub fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Starts the server again on the same port and data directory (after `stop`); returns
+    /// once it accepts connections (it may still be loading its data).
+    pub fn restart(&mut self) {
+        self.stop();
+        self.child = run_server(self.port, &self.dir, &self.persistence);
     }
 
     pub fn url(&self) -> String {
@@ -122,10 +165,90 @@ impl PrivateRedis {
     }
 }
 
+fn run_server(port: u16, dir: &std::path::Path, persistence: &[String]) -> Child {
+    let child = Command::new("redis-server")
+        .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--save", ""])
+        .args(persistence)
+        .arg("--dir")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("cannot run redis-server ({e}); install it with scripts/services.sh redis")
+        });
+    // Wait until it accepts connections (polling: the process gives no other signal).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "private redis-server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
 impl Drop for PrivateRedis {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A plain connection to the server(s) behind `store` (routed by key on a cluster), to read and
+/// write data behind the store's back.
+pub enum Admin {
+    Single(redis::aio::MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl Admin {
+    /// Connects to the same standalone server or cluster as `store` (one the tests' `standalone`
+    /// or `cluster` returned, so it is known to answer).
+    pub async fn of(store: &RedisStore) -> Self {
+        if store.is_cluster() {
+            Self::Cluster(
+                redis::cluster::ClusterClient::new(cluster_nodes())
+                    .unwrap()
+                    .get_async_connection()
+                    .await
+                    .expect("admin connection to the cluster"),
+            )
+        } else {
+            Self::Single(
+                redis::Client::open(url())
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .expect("admin connection to the server"),
+            )
+        }
+    }
+
+    /// Runs `cmd`, panicking on an error.
+    pub async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> T {
+        match self {
+            Self::Single(c) => cmd.query_async(c).await,
+            Self::Cluster(c) => cmd.query_async(c).await,
+        }
+        .unwrap_or_else(|e| panic!("admin command failed: {e}"))
+    }
+
+    /// `EXISTS key` (0 or 1).
+    pub async fn exists(&mut self, key: &str) -> bool {
+        self.query::<i64>(redis::cmd("EXISTS").arg(key)).await == 1
+    }
+
+    /// `GET key`.
+    pub async fn get(&mut self, key: &str) -> Option<Vec<u8>> {
+        self.query(redis::cmd("GET").arg(key)).await
+    }
+
+    /// `PTTL key` in ms (-1 no expiry, -2 no key).
+    pub async fn pttl(&mut self, key: &str) -> i64 {
+        self.query(redis::cmd("PTTL").arg(key)).await
     }
 }

@@ -1,0 +1,146 @@
+//! What the payload fingerprint covers.
+
+use serde_json::Value;
+
+use crate::config::ConfigError;
+use crate::error::ExecutorError;
+use crate::key_source::{PayloadJson, check_pointer};
+use crate::message::Message;
+use idem_core::Fingerprint;
+
+/// What the [`Fingerprint`] of a message covers. The same key seen again with a different
+/// fingerprint is a [`Conflict`](crate::Outcome::Conflict): the sender reused a key for a
+/// different request.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FingerprintPolicy {
+    /// SHA-256 of the whole payload, byte for byte (the default).
+    #[default]
+    Payload,
+    /// SHA-256 of the JSON fields at these JSON pointers (RFC 6901), for payloads that carry
+    /// volatile fields (timestamps, trace ids) beside the request itself. Each field is hashed
+    /// with its pointer, in canonical form (object keys sorted, no whitespace), so key order and
+    /// formatting do not matter; an absent field hashes differently from `null`. A payload that is
+    /// not JSON is an [`ExecutorError::InvalidMessage`].
+    JsonFields(Vec<String>),
+    /// No fingerprint: records never conflict. Turning conflict detection off is explicit.
+    Off,
+}
+
+impl FingerprintPolicy {
+    /// [`FingerprintPolicy::JsonFields`] from pointers such as `"/amount"`.
+    pub fn json_fields<I, S>(pointers: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self::JsonFields(pointers.into_iter().map(Into::into).collect())
+    }
+
+    /// The fingerprint of `msg` under this policy (`None` when [`Off`](Self::Off)).
+    ///
+    /// # Errors
+    /// [`ExecutorError::InvalidMessage`] when fields are selected and the payload is not JSON.
+    pub fn compute(&self, msg: &dyn Message) -> Result<Option<Fingerprint>, ExecutorError> {
+        self.compute_with(msg, &PayloadJson::new(msg.payload()))
+    }
+
+    pub(crate) fn compute_with(
+        &self,
+        msg: &dyn Message,
+        json: &PayloadJson<'_>,
+    ) -> Result<Option<Fingerprint>, ExecutorError> {
+        match self {
+            Self::Payload => Ok(Some(Fingerprint::of(msg.payload()))),
+            Self::Off => Ok(None),
+            Self::JsonFields(pointers) => {
+                let doc = json.get()?;
+                let mut parts = Vec::with_capacity(pointers.len() * 2);
+                for pointer in pointers {
+                    parts.push(pointer.as_bytes().to_vec());
+                    let mut field = Vec::new();
+                    match doc.pointer(pointer) {
+                        None => field.push(b'-'),
+                        Some(v) => {
+                            field.push(b'=');
+                            canonical(v, &mut field);
+                        }
+                    }
+                    parts.push(field);
+                }
+                Ok(Some(Fingerprint::of_parts(parts)))
+            }
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        match self {
+            Self::JsonFields(pointers) if pointers.is_empty() => Err(ConfigError::new(
+                "fingerprint",
+                "no JSON field selected; use FingerprintPolicy::Off to turn fingerprints off",
+            )),
+            Self::JsonFields(pointers) => pointers
+                .iter()
+                .try_for_each(|p| check_pointer("fingerprint", p)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Canonical JSON: object keys sorted, no whitespace.
+fn canonical(v: &Value, out: &mut Vec<u8>) {
+    match v {
+        Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                canonical_str(k, out);
+                out.push(b':');
+                canonical(v, out);
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                canonical(v, out);
+            }
+            out.push(b']');
+        }
+        Value::String(s) => canonical_str(s, out),
+        other => out.extend_from_slice(other.to_string().as_bytes()),
+    }
+}
+
+fn canonical_str(s: &str, out: &mut Vec<u8>) {
+    // Writing a string into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RawMessage;
+
+    #[test]
+    fn json_fields_ignore_order_and_other_fields() {
+        let policy = FingerprintPolicy::json_fields(["/amount", "/meta"]);
+        let a = RawMessage::new(r#"{"amount": 10, "meta": {"x": 1, "y": [1, "a"]}, "ts": 1}"#);
+        let b = RawMessage::new(r#"{"ts": 2, "meta": {"y": [1, "a"], "x": 1}, "amount": 10}"#);
+        let c = RawMessage::new(r#"{"amount": 11, "meta": {"x": 1, "y": [1, "a"]}}"#);
+        let d = RawMessage::new(r#"{"amount": 10, "meta": null}"#);
+        let e = RawMessage::new(r#"{"amount": 10}"#);
+        let fp = |m: &RawMessage| policy.compute(m).unwrap().unwrap();
+        assert_eq!(fp(&a), fp(&b));
+        assert_ne!(fp(&a), fp(&c));
+        assert_ne!(fp(&d), fp(&e));
+        assert!(policy.compute(&RawMessage::new("not json")).is_err());
+    }
+}

@@ -1,0 +1,63 @@
+//! The acquire, with the optional bounded wait while another worker holds the key.
+
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use tokio::time::Instant;
+
+use crate::Executor;
+use crate::config::InProgressWait;
+use idem_core::{AcquireOutcome, AcquireRequest, Error};
+
+impl<C, R> Executor<C, R> {
+    /// Acquire, with the optional bounded wait while another worker holds the key. Also gives
+    /// the instant the last acquire was sent (a lease it grants starts after it).
+    pub(super) async fn acquire(
+        &self,
+        req: &AcquireRequest,
+    ) -> Result<(AcquireOutcome, Instant), Error> {
+        let sent = Instant::now();
+        let outcome = self.inner.store.acquire(req).await?;
+        match self.inner.config.in_progress_wait {
+            Some(wait) if matches!(outcome, AcquireOutcome::InProgress { .. }) => {
+                // Boxed: the waiting loop stays out of the state of every other call.
+                Box::pin(self.wait_while_in_progress(req, wait, outcome, sent)).await
+            }
+            _ => Ok((outcome, sent)),
+        }
+    }
+
+    /// Polls the store with backoff while the key is in progress, for at most `wait.max_wait`.
+    async fn wait_while_in_progress(
+        &self,
+        req: &AcquireRequest,
+        wait: InProgressWait,
+        mut outcome: AcquireOutcome,
+        mut sent: Instant,
+    ) -> Result<(AcquireOutcome, Instant), Error> {
+        let deadline = Instant::now() + wait.max_wait;
+        let mut delays = ExponentialBuilder::new()
+            .with_min_delay(wait.min_delay)
+            .with_max_delay(wait.max_delay)
+            .with_jitter()
+            .without_max_times()
+            .build();
+        while let AcquireOutcome::InProgress { retry_after, .. } = &outcome {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            // Never sleep past the holder's lease: a crashed holder is taken over at once.
+            let delay = delays
+                .next()
+                .unwrap_or(wait.max_delay)
+                .min(wait.max_delay)
+                .min(*retry_after + Duration::from_millis(1))
+                .min(deadline - now);
+            tokio::time::sleep(delay).await;
+            sent = Instant::now();
+            outcome = self.inner.store.acquire(req).await?;
+        }
+        Ok((outcome, sent))
+    }
+}

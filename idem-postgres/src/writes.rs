@@ -1,0 +1,380 @@
+//! [`PgWrites`]: the statements a handler commits with its completion
+//! ([`TransactionalStore::complete_with`](idem_core::TransactionalStore::complete_with) on
+//! PostgreSQL).
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+
+use idem_core::{Error, Result};
+use tokio_postgres::types::ToSql;
+
+/// The most statements one [`PgWrites`] may carry.
+pub const MAX_WRITES: usize = 100;
+
+/// The most parameters one statement may bind (the protocol's limit).
+pub const MAX_PARAMS: usize = u16::MAX as usize;
+
+/// One bound parameter of a statement in [`PgWrites`]: any value the driver can send
+/// ([`ToSql`]), shared so that the writes can be cloned (an executor re-sends the same writes
+/// after an ambiguous reply).
+pub type PgParam = Arc<dyn ToSql + Send + Sync>;
+
+/// Wraps a value as a [`PgParam`], for statements whose parameters are built as a list.
+pub fn param<T: ToSql + Send + Sync + 'static>(value: T) -> PgParam {
+    Arc::new(value)
+}
+
+/// The statements a handler commits together with its completion:
+/// [`PostgresStore::complete_with`](crate::PostgresStore) runs them and the fenced completion in
+/// ONE transaction, so they commit together or not at all (see the
+/// [crate docs](crate#transactional-effects)).
+///
+/// Each statement is the caller's own SQL text with `$1..$n` placeholders and the values bound
+/// to them: values are always sent as parameters, never written into the text. Keep the texts
+/// fixed (statements are prepared once per pooled connection and cached by their text).
+///
+/// ```
+/// use idem_postgres::{PgWrites, param};
+///
+/// let (account, amount, token) = ("alice", 1250i64, 7i64);
+/// let writes = PgWrites::new()
+///     // A condition: the balance must cover the amount, or nothing at all is committed.
+///     .execute(
+///         "UPDATE accounts SET balance = balance - $1 WHERE id = $2 AND balance >= $1",
+///         (amount, account),
+///     )
+///     .expect_rows(1)
+///     .execute(
+///         "INSERT INTO ledger (account, amount, fence) VALUES ($1, $2, $3)",
+///         (account, -amount, token),
+///     )
+///     // A list of values built at run time.
+///     .execute("DELETE FROM holds WHERE account = $1", vec![param(account)]);
+/// assert_eq!(writes.len(), 3);
+/// ```
+///
+/// # What refuses the writes
+///
+/// Before anything is sent, [`Error::InvalidInput`] on the field `writes`:
+/// more than [`MAX_WRITES`] statements, more than [`MAX_PARAMS`] parameters in one, an empty text
+/// or one holding NUL, a transaction-control statement (`BEGIN`, `START`, `COMMIT`, `END`,
+/// `ROLLBACK`, `ABORT`, `SAVEPOINT`, `RELEASE`, `PREPARE TRANSACTION`: it would end or split the
+/// transaction), [`expect_rows`](Self::expect_rows) before any statement; and, once the texts
+/// are prepared (before the transaction starts), a text the server refuses to prepare (a syntax
+/// error, an unknown table or column, a missing privilege: SQLSTATE class `42`, or `0A`), a
+/// parameter count other than the statement's, or a value of a type the statement's parameter
+/// does not take.
+///
+/// In the transaction, [`Error::EffectRefused`] with the statement's index (nothing is
+/// written, the record stays in progress): a statement whose [`expect_rows`](Self::expect_rows)
+/// condition fails, or that the database refuses because of the data: an integrity constraint
+/// (class `23`: unique, check, foreign key, not null, exclusion), a data exception (class `22`:
+/// a value out of range, a division by zero, ...) or an exception raised by a trigger or function
+/// (class `P0`, `RAISE EXCEPTION`). A constraint declared `DEFERRABLE INITIALLY DEFERRED` is
+/// checked at `COMMIT`: its refusal carries the index [`len`](Self::len) (the commit).
+///
+/// Serialization failures, deadlocks, lock and statement timeouts and lost connections are
+/// [`Error::Unavailable`] (retryable) and roll everything back.
+#[derive(Clone, Default)]
+pub struct PgWrites {
+    pub(crate) statements: Vec<PgStatement>,
+    /// A misuse of the builder (`expect_rows` before any statement), reported as
+    /// [`Error::InvalidInput`] when the writes are sent.
+    misuse: Option<&'static str>,
+}
+
+/// One statement of [`PgWrites`].
+#[derive(Clone)]
+pub(crate) struct PgStatement {
+    pub(crate) sql: Cow<'static, str>,
+    pub(crate) params: Vec<PgParam>,
+    /// The row count the statement must report (rows affected, or returned by a query).
+    pub(crate) expect_rows: Option<u64>,
+}
+
+impl fmt::Debug for PgWrites {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut list = f.debug_list();
+        for s in &self.statements {
+            list.entry(&format_args!(
+                "{:?} with {} parameters{}",
+                s.sql,
+                s.params.len(),
+                match s.expect_rows {
+                    Some(n) => format!(", expecting {n} rows"),
+                    None => String::new(),
+                }
+            ));
+        }
+        list.finish()
+    }
+}
+
+impl PgWrites {
+    /// No statements.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a statement: its SQL text with `$1..$n` placeholders, and the values bound to them
+    /// (a tuple of up to 12 values, an array of values of one type, `()` for none, or a
+    /// `Vec<PgParam>`).
+    pub fn execute(mut self, sql: impl Into<Cow<'static, str>>, params: impl Params) -> Self {
+        self.statements.push(PgStatement {
+            sql: sql.into(),
+            params: params.into_params(),
+            expect_rows: None,
+        });
+        self
+    }
+
+    /// Makes the last statement added a condition: it must affect (for a query: return) exactly
+    /// `rows` rows, or the whole completion is refused with [`Error::EffectRefused`] and
+    /// nothing is written. For instance `UPDATE accounts SET balance = balance - $1 WHERE id = $2
+    /// AND balance >= $1` with `expect_rows(1)`: the debit happens only if the balance covers it.
+    ///
+    /// The database cannot check a row count by itself within the transaction, so writes with a
+    /// condition cost a second round trip: the client reads the counts, then sends `COMMIT`
+    /// (see the [crate docs](crate#transactional-effects)).
+    pub fn expect_rows(mut self, rows: u64) -> Self {
+        match self.statements.last_mut() {
+            Some(last) => last.expect_rows = Some(rows),
+            None => self.misuse = Some("expect_rows was called before any statement was added"),
+        }
+        self
+    }
+
+    /// How many statements.
+    pub fn len(&self) -> usize {
+        self.statements.len()
+    }
+
+    /// Whether there are no statements (then `complete_with` is a plain `complete`).
+    pub fn is_empty(&self) -> bool {
+        self.statements.is_empty()
+    }
+
+    /// Whether any statement carries a row-count condition.
+    pub(crate) fn has_conditions(&self) -> bool {
+        self.statements.iter().any(|s| s.expect_rows.is_some())
+    }
+
+    /// The checks that need no server: count, texts, parameter counts.
+    pub(crate) fn check(&self) -> Result<()> {
+        if let Some(misuse) = self.misuse {
+            return Err(invalid(misuse.to_owned()));
+        }
+        if self.statements.len() > MAX_WRITES {
+            return Err(invalid(format!(
+                "{} statements, over the limit of {MAX_WRITES}",
+                self.statements.len()
+            )));
+        }
+        for (i, s) in self.statements.iter().enumerate() {
+            if s.sql.trim().is_empty() {
+                return Err(invalid(format!("statement {i} is empty")));
+            }
+            if s.sql.contains('\0') {
+                return Err(invalid(format!(
+                    "statement {i} holds a NUL character, which PostgreSQL cannot take in a query \
+                     text"
+                )));
+            }
+            if s.params.len() > MAX_PARAMS {
+                return Err(invalid(format!(
+                    "statement {i} binds {} parameters, over the protocol's limit of {MAX_PARAMS}",
+                    s.params.len()
+                )));
+            }
+            if let Some(keyword) = transaction_control(&s.sql) {
+                return Err(invalid(format!(
+                    "statement {i} is a transaction-control statement ({keyword}), which would end \
+                     or split the transaction the writes commit in"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// [`Error::InvalidInput`] on the field `writes`.
+pub(crate) fn invalid(reason: String) -> Error {
+    Error::invalid("writes", reason)
+}
+
+/// The transaction-control keyword `sql` starts with, if any (after white space and comments).
+fn transaction_control(sql: &str) -> Option<&'static str> {
+    let mut rest = skip_blank(sql);
+    let first = word(rest);
+    let keyword = match first.to_ascii_uppercase().as_str() {
+        "BEGIN" => "BEGIN",
+        "START" => "START TRANSACTION",
+        "COMMIT" => "COMMIT",
+        "END" => "END",
+        "ROLLBACK" => "ROLLBACK",
+        "ABORT" => "ABORT",
+        "SAVEPOINT" => "SAVEPOINT",
+        "RELEASE" => "RELEASE",
+        "PREPARE" => {
+            rest = skip_blank(&rest[first.len()..]);
+            if word(rest).eq_ignore_ascii_case("TRANSACTION") {
+                "PREPARE TRANSACTION"
+            } else {
+                return None;
+            }
+        }
+        _ => return None,
+    };
+    Some(keyword)
+}
+
+/// `sql` without its leading white space and comments (`-- ...` lines, nested `/* ... */`).
+fn skip_blank(mut sql: &str) -> &str {
+    loop {
+        sql = sql.trim_start();
+        if let Some(rest) = sql.strip_prefix("--") {
+            sql = rest.find('\n').map_or("", |at| &rest[at..]);
+        } else if sql.starts_with("/*") {
+            let mut depth = 0usize;
+            let mut i = 0;
+            let bytes = sql.as_bytes();
+            while i < bytes.len() {
+                if bytes[i..].starts_with(b"/*") {
+                    depth += 1;
+                    i += 2;
+                } else if bytes[i..].starts_with(b"*/") {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            sql = sql.get(i..).unwrap_or("");
+        } else {
+            return sql;
+        }
+    }
+}
+
+/// The leading identifier-like word of `sql`.
+fn word(sql: &str) -> &str {
+    let end = sql
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or(sql.len());
+    &sql[..end]
+}
+
+/// The values bound to one statement of [`PgWrites`]: tuples of up to 12 values, arrays of
+/// values of one type, `()` for none, and `Vec<PgParam>`.
+pub trait Params {
+    /// The values, in the order of `$1..$n`.
+    fn into_params(self) -> Vec<PgParam>;
+}
+
+impl Params for Vec<PgParam> {
+    fn into_params(self) -> Vec<PgParam> {
+        self
+    }
+}
+
+impl Params for () {
+    fn into_params(self) -> Vec<PgParam> {
+        Vec::new()
+    }
+}
+
+impl<T: ToSql + Send + Sync + 'static, const N: usize> Params for [T; N] {
+    fn into_params(self) -> Vec<PgParam> {
+        self.into_iter().map(param).collect()
+    }
+}
+
+macro_rules! tuple_params {
+    ($($name:ident)+) => {
+        impl<$($name: ToSql + Send + Sync + 'static),+> Params for ($($name,)+) {
+            #[allow(non_snake_case)]
+            fn into_params(self) -> Vec<PgParam> {
+                let ($($name,)+) = self;
+                vec![$(param($name)),+]
+            }
+        }
+    };
+}
+
+tuple_params!(A);
+tuple_params!(A B);
+tuple_params!(A B C);
+tuple_params!(A B C D);
+tuple_params!(A B C D E);
+tuple_params!(A B C D E F);
+tuple_params!(A B C D E F G);
+tuple_params!(A B C D E F G H);
+tuple_params!(A B C D E F G H I);
+tuple_params!(A B C D E F G H I J);
+tuple_params!(A B C D E F G H I J K);
+tuple_params!(A B C D E F G H I J K L);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transaction_control_is_found_after_blanks_and_comments() {
+        for (sql, found) in [
+            ("COMMIT", Some("COMMIT")),
+            ("  commit;", Some("COMMIT")),
+            ("-- note\n  Rollback to savepoint x", Some("ROLLBACK")),
+            ("/* a /* nested */ comment */ begin", Some("BEGIN")),
+            ("start transaction", Some("START TRANSACTION")),
+            ("END", Some("END")),
+            ("abort", Some("ABORT")),
+            ("SAVEPOINT s", Some("SAVEPOINT")),
+            ("release s", Some("RELEASE")),
+            ("prepare transaction 'x'", Some("PREPARE TRANSACTION")),
+            ("PREPARE q AS SELECT 1", None),
+            ("INSERT INTO t VALUES ($1)", None),
+            ("UPDATE t SET committed = true", None),
+            ("commitments", None),
+            ("-- COMMIT\nSELECT 1", None),
+            ("/* unterminated", None),
+            ("", None),
+        ] {
+            assert_eq!(transaction_control(sql), found, "{sql:?}");
+        }
+    }
+
+    #[test]
+    fn checks_before_sending() {
+        let ok = PgWrites::new().execute("INSERT INTO t VALUES ($1, $2)", (1i64, "a"));
+        assert!(ok.check().is_ok());
+        assert_eq!(ok.statements[0].params.len(), 2);
+        let reason = |w: PgWrites| match w.check() {
+            Err(Error::InvalidInput {
+                field: "writes",
+                reason,
+            }) => reason,
+            other => panic!("expected InvalidInput on writes, got {other:?}"),
+        };
+        let many = (0..=MAX_WRITES).fold(PgWrites::new(), |w, i| {
+            w.execute("INSERT INTO t VALUES ($1)", [i as i64])
+        });
+        assert!(reason(many).contains("over the limit of 100"));
+        assert!(reason(PgWrites::new().execute(" \n", ())).contains("empty"));
+        assert!(reason(PgWrites::new().execute("SELECT '\0'", ())).contains("NUL"));
+        assert!(reason(PgWrites::new().execute("COMMIT", ())).contains("COMMIT"));
+        assert!(reason(PgWrites::new().expect_rows(1)).contains("before any statement"));
+        let wide: Vec<PgParam> = (0..=MAX_PARAMS).map(|_| param(0i32)).collect();
+        assert!(reason(PgWrites::new().execute("SELECT 1", wide)).contains("65535"));
+        assert!(!PgWrites::new().execute("SELECT 1", ()).has_conditions());
+        assert!(
+            PgWrites::new()
+                .execute("SELECT 1", ())
+                .expect_rows(1)
+                .has_conditions()
+        );
+    }
+}

@@ -1,0 +1,575 @@
+//! `TransactionalStore::complete_with` on PostgreSQL: the fenced completion and the handler's
+//! statements in one transaction, pipelined.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::proxy::Proxy;
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Bytes, Error, IdempotencyStore, Lease, LostLease, Namespace,
+    RecordState, StateKind, TransactionalStore,
+};
+use idem_postgres::{MAX_WRITES, PgWrites, PostgresStore, param};
+
+const RETENTION: Duration = Duration::from_secs(3600);
+
+fn ns() -> Namespace {
+    Namespace::new(format!("cw-{:08x}", rand::random::<u32>())).unwrap()
+}
+
+/// A business table of its own in this run's schema: `ledger (entry text PRIMARY KEY, amount
+/// bigint CHECK (amount <> 0), account text REFERENCES accounts)`, and `accounts (id text PRIMARY
+/// KEY, balance bigint)` holding `alice` with 100.
+struct Tables {
+    ledger: String,
+    accounts: String,
+}
+
+async fn tables(admin: &tokio_postgres::Client) -> Tables {
+    let suffix = format!("{:08x}", rand::random::<u32>());
+    let schema = common::run_schema();
+    let accounts = format!("\"{schema}\".\"accounts_{suffix}\"");
+    let ledger = format!("\"{schema}\".\"ledger_{suffix}\"");
+    admin
+        .batch_execute(&format!(
+            "CREATE TABLE {accounts} (id text PRIMARY KEY, balance bigint NOT NULL);
+             INSERT INTO {accounts} VALUES ('alice', 100);
+             CREATE TABLE {ledger} (entry text PRIMARY KEY, amount bigint NOT NULL \
+                CHECK (amount <> 0), account text REFERENCES {accounts} (id), token bigint);"
+        ))
+        .await
+        .unwrap();
+    Tables { ledger, accounts }
+}
+
+impl Tables {
+    fn insert(&self) -> String {
+        format!(
+            "INSERT INTO {} (entry, amount, account, token) VALUES ($1, $2, $3, $4)",
+            self.ledger
+        )
+    }
+
+    fn debit(&self) -> String {
+        format!(
+            "UPDATE {} SET balance = balance - $1 WHERE id = $2 AND balance >= $1",
+            self.accounts
+        )
+    }
+
+    async fn entries(&self, admin: &tokio_postgres::Client) -> Vec<String> {
+        admin
+            .query(
+                &format!("SELECT entry FROM {} ORDER BY entry", self.ledger),
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
+    async fn balance(&self, admin: &tokio_postgres::Client) -> i64 {
+        admin
+            .query_one(
+                &format!("SELECT balance FROM {} WHERE id = 'alice'", self.accounts),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    }
+}
+
+async fn acquire(store: &PostgresStore, req: &AcquireRequest) -> Lease {
+    match store.acquire(req).await.unwrap() {
+        AcquireOutcome::Acquired { lease, .. } => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+async fn in_progress(store: &PostgresStore, lease: &Lease) {
+    let record = store.get(&lease.key).await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.token),
+        (RecordState::InProgress, lease.token),
+        "the record must still be the lease's, in progress"
+    );
+}
+
+/// The writes of a debit of `amount` from alice with its ledger entry.
+fn debit(t: &Tables, entry: &str, amount: i64, token: i64) -> PgWrites {
+    PgWrites::new()
+        .execute(t.debit(), (amount, "alice"))
+        .expect_rows(1)
+        .execute(t.insert(), (entry.to_owned(), -amount, "alice", token))
+}
+
+#[tokio::test]
+async fn statements_commit_with_the_completion_and_a_resend_applies_nothing_again() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let lease = acquire(&store, &AcquireRequest::new(ns().key("pay").unwrap(), "w")).await;
+    let token = lease.token.get() as i64;
+    let writes = PgWrites::new()
+        .execute(t.insert(), ("e1", 10i64, "alice", token))
+        .execute(t.insert(), vec![param("e2"), param(20i64), param("alice"), param(token)]);
+    store
+        .complete_with(&lease, Bytes::from_static(b"ok"), RETENTION, writes.clone())
+        .await
+        .unwrap();
+    assert_eq!(t.entries(&admin).await, ["e1", "e2"]);
+    let record = store.get(&lease.key).await.unwrap().unwrap();
+    assert_eq!(
+        record.state,
+        RecordState::Completed {
+            result: Bytes::from_static(b"ok")
+        }
+    );
+
+    // The same completion re-sent (a lost reply): Ok, and the statements do not run again
+    // (they would fail on the primary key if they did).
+    store
+        .complete_with(&lease, Bytes::from_static(b"ok"), RETENTION, writes.clone())
+        .await
+        .unwrap();
+    assert_eq!(t.entries(&admin).await, ["e1", "e2"]);
+
+    // Other result bytes: refused, and still nothing run.
+    let r = store
+        .complete_with(&lease, Bytes::from_static(b"other"), RETENTION, writes)
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::LeaseLost {
+                why: LostLease::NotInProgress {
+                    state: StateKind::Completed
+                },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert_eq!(t.entries(&admin).await, ["e1", "e2"]);
+}
+
+#[tokio::test]
+async fn a_zombie_writes_nothing() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let key = ns().key("zombie").unwrap();
+    let zombie = acquire(
+        &store,
+        &AcquireRequest::new(key.clone(), "a").with_lease_ttl(Duration::from_millis(50)),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let holder = acquire(&store, &AcquireRequest::new(key, "b")).await;
+    let r = store
+        .complete_with(
+            &zombie,
+            Bytes::from_static(b"z"),
+            RETENTION,
+            debit(&t, "zombie", 10, zombie.token.get() as i64),
+        )
+        .await;
+    assert!(
+        matches!(&r, Err(Error::LeaseLost { why: LostLease::Superseded { current }, .. }) if *current == holder.token),
+        "{r:?}"
+    );
+    assert_eq!(t.entries(&admin).await, Vec::<String>::new());
+    assert_eq!(t.balance(&admin).await, 100);
+    in_progress(&store, &holder).await;
+}
+
+/// A statement the database refuses (constraints, data) or whose row count is not the expected
+/// one: `EffectRefused` with its index, nothing written, the record still in progress.
+#[tokio::test]
+async fn refused_statements_roll_everything_back() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    admin
+        .batch_execute(&format!(
+            "INSERT INTO {} (entry, amount, account) VALUES ('taken', 1, 'alice')",
+            t.ledger
+        ))
+        .await
+        .unwrap();
+    let lease = acquire(&store, &AcquireRequest::new(ns().key("r").unwrap(), "w")).await;
+    let first = || PgWrites::new().execute(t.insert(), ("new", 5i64, "alice", 0i64));
+    let cases: Vec<(&str, PgWrites, usize, &str)> = vec![
+        (
+            "unique",
+            first().execute(t.insert(), ("taken", 5i64, "alice", 0i64)),
+            1,
+            "23505",
+        ),
+        (
+            "check",
+            first().execute(t.insert(), ("zero", 0i64, "alice", 0i64)),
+            1,
+            "23514",
+        ),
+        (
+            "foreign key",
+            first().execute(t.insert(), ("fk", 5i64, "nobody", 0i64)),
+            1,
+            "23503",
+        ),
+        (
+            "data",
+            first().execute(
+                format!("UPDATE {} SET balance = balance * $1", t.accounts),
+                [i64::MAX],
+            ),
+            1,
+            "22003",
+        ),
+        (
+            "expect_rows",
+            first()
+                .execute(t.debit(), (1_000i64, "alice"))
+                .expect_rows(1),
+            1,
+            "expect_rows",
+        ),
+        (
+            "expect_rows on the first",
+            debit(&t, "x", 1_000, 0),
+            0,
+            "affected 0",
+        ),
+    ];
+    for (name, writes, index, says) in cases {
+        let r = store
+            .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, writes)
+            .await;
+        match &r {
+            Err(Error::EffectRefused {
+                index: i, reason, ..
+            }) => {
+                assert_eq!(*i, index, "{name}: {r:?}");
+                assert!(reason.contains(says), "{name}: {reason}");
+            }
+            other => panic!("{name}: expected EffectRefused, got {other:?}"),
+        }
+        assert_eq!(t.entries(&admin).await, ["taken"], "{name}");
+        assert_eq!(t.balance(&admin).await, 100, "{name}");
+        in_progress(&store, &lease).await;
+    }
+
+    // The lease is still held: a good completion goes through.
+    store
+        .complete_with(
+            &lease,
+            Bytes::from_static(b"paid"),
+            RETENTION,
+            debit(&t, "paid", 30, lease.token.get() as i64),
+        )
+        .await
+        .unwrap();
+    assert_eq!(t.entries(&admin).await, ["paid", "taken"]);
+    assert_eq!(t.balance(&admin).await, 70);
+}
+
+/// A deferred constraint is checked at COMMIT: refused with the index `len()`.
+#[tokio::test]
+async fn a_deferred_constraint_is_refused_at_commit() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let table = format!(
+        "\"{}\".\"deferred_{:08x}\"",
+        common::run_schema(),
+        rand::random::<u32>()
+    );
+    admin
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (id text, CONSTRAINT one UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)"
+        ))
+        .await
+        .unwrap();
+    let lease = acquire(&store, &AcquireRequest::new(ns().key("d").unwrap(), "w")).await;
+    let insert = format!("INSERT INTO {table} (id) VALUES ($1)");
+    let writes = PgWrites::new()
+        .execute(insert.clone(), ["a"])
+        .execute(insert, ["a"]);
+    let r = store
+        .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, writes)
+        .await;
+    assert!(
+        matches!(&r, Err(Error::EffectRefused { index: 2, reason, .. }) if reason.starts_with("at COMMIT") && reason.contains("23505")),
+        "{r:?}"
+    );
+    let rows: i64 = admin
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 0);
+    in_progress(&store, &lease).await;
+}
+
+/// Writes the store cannot take: `InvalidInput` on `writes`; those the client can judge alone
+/// are refused before anything is sent, those that need the statement's shape after preparing
+/// it, before the transaction begins. Nothing written, the record still in progress.
+#[tokio::test]
+async fn bad_writes_are_invalid_input_and_write_nothing() {
+    let Some((store, proxy)) = common::proxied_store(|c| c.with_pool_size(1)).await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let lease = acquire(&store, &AcquireRequest::new(ns().key("bad").unwrap(), "w")).await;
+    let ok = || PgWrites::new().execute(t.insert(), ("e", 5i64, "alice", 0i64));
+    let too_many = (0..MAX_WRITES).fold(ok(), |w, i| {
+        w.execute(t.insert(), (format!("e{i}"), 5i64, "alice", 0i64))
+    });
+    let unsent: Vec<(&str, PgWrites)> = vec![
+        ("too many", too_many),
+        ("COMMIT", ok().execute("COMMIT", ())),
+        (
+            "ROLLBACK after a comment",
+            ok().execute("/* undo */ rollback", ()),
+        ),
+        ("empty", ok().execute("  ", ())),
+        ("NUL", ok().execute("SELECT '\0'", ())),
+        ("expect_rows first", PgWrites::new().expect_rows(1)),
+    ];
+    for (name, writes) in unsent {
+        let before = proxy.counts();
+        let r = store
+            .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, writes)
+            .await;
+        assert!(
+            matches!(
+                r,
+                Err(Error::InvalidInput {
+                    field: "writes",
+                    ..
+                })
+            ),
+            "{name}: {r:?}"
+        );
+        assert_eq!(
+            proxy.counts(),
+            before,
+            "{name}: refused before anything is sent"
+        );
+    }
+    let prepared: Vec<(&str, PgWrites, &str)> = vec![
+        (
+            "parameter count",
+            ok().execute(t.insert(), ("e", 5i64)),
+            "takes 4 parameters, 2 given",
+        ),
+        (
+            "parameter type",
+            ok().execute(t.insert(), ("e", "five", "alice", 0i64)),
+            "parameter $2",
+        ),
+        (
+            "syntax",
+            ok().execute("INSERT INTO nowhere VALUE ($1)", [1i64]),
+            "42601",
+        ),
+        (
+            "unknown table",
+            ok().execute("DELETE FROM no_such_table_here", ()),
+            "42P01",
+        ),
+        (
+            "two statements in one text",
+            ok().execute("SELECT 1; COMMIT", ()),
+            "does not prepare",
+        ),
+    ];
+    for (name, writes, says) in prepared {
+        let r = store
+            .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, writes)
+            .await;
+        assert!(
+            matches!(&r, Err(Error::InvalidInput { field: "writes", reason }) if reason.contains(says)),
+            "{name}: {r:?}"
+        );
+    }
+    // The core's `complete` checks come first.
+    let r = store
+        .complete_with(
+            &lease,
+            Bytes::from(vec![0u8; store.limits().max_result_len + 1]),
+            RETENTION,
+            ok(),
+        )
+        .await;
+    assert!(matches!(r, Err(Error::ResultTooLarge { .. })), "{r:?}");
+    assert_eq!(t.entries(&admin).await, Vec::<String>::new());
+    in_progress(&store, &lease).await;
+    // And the connection is still good for a real completion.
+    store
+        .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, ok())
+        .await
+        .unwrap();
+    assert_eq!(t.entries(&admin).await, ["e"]);
+}
+
+/// Lock and statement timeouts (and, the same way, serialization failures and deadlocks) are
+/// retryable, and roll everything back.
+#[tokio::test]
+async fn timeouts_are_unavailable_and_roll_back() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let lease = acquire(&store, &AcquireRequest::new(ns().key("t").unwrap(), "w")).await;
+
+    // The accounts row is locked by another transaction: the debit waits 100 ms, then 55P03.
+    let mut other = tokio_postgres::connect(&common::url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(other.1);
+    let locker = other.0.transaction().await.unwrap();
+    locker
+        .execute(
+            &format!("SELECT 1 FROM {} WHERE id = 'alice' FOR UPDATE", t.accounts),
+            &[],
+        )
+        .await
+        .unwrap();
+    // (The insert's foreign key check waits on that lock too.)
+    let writes = PgWrites::new()
+        .execute("SELECT set_config('lock_timeout', '100', true)", ())
+        .execute(t.insert(), ("locked", 5i64, "alice", 0i64))
+        .execute(t.debit(), (5i64, "alice"));
+    let r = store
+        .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, writes)
+        .await;
+    assert!(
+        matches!(&r, Err(e @ Error::Unavailable { .. }) if e.to_string().contains("lock timeout")),
+        "{r:?}"
+    );
+    locker.rollback().await.unwrap();
+
+    let writes = PgWrites::new()
+        .execute(t.insert(), ("slow", 5i64, "alice", 0i64))
+        .execute("SELECT set_config('statement_timeout', '50', true)", ())
+        .execute("SELECT pg_sleep(1)", ());
+    let r = store
+        .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, writes)
+        .await;
+    assert!(
+        matches!(&r, Err(e @ Error::Unavailable { .. }) if e.to_string().contains("statement timeout")),
+        "{r:?}"
+    );
+    assert_eq!(t.entries(&admin).await, Vec::<String>::new());
+    in_progress(&store, &lease).await;
+    drop(other.0);
+}
+
+/// Concurrent re-sends of one completion (a client retrying while its first send still runs):
+/// one applies, the others wait on the record's row lock and are answered `Ok` by the replay
+/// rule; the statements run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_resends_apply_once() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let lease = acquire(&store, &AcquireRequest::new(ns().key("c").unwrap(), "w")).await;
+    let writes = debit(&t, "once", 10, lease.token.get() as i64);
+    let store = Arc::new(store);
+    let sends: Vec<_> = (0..8)
+        .map(|_| {
+            let (store, lease, writes) = (store.clone(), lease.clone(), writes.clone());
+            tokio::spawn(async move {
+                store
+                    .complete_with(&lease, Bytes::from_static(b"done"), RETENTION, writes)
+                    .await
+            })
+        })
+        .collect();
+    for s in sends {
+        s.await.unwrap().unwrap();
+    }
+    assert_eq!(t.entries(&admin).await, ["once"]);
+    assert_eq!(t.balance(&admin).await, 90);
+}
+
+/// Sends one `complete_with` of `writes` on a fresh key; returns the requests and flights it
+/// cost.
+async fn cost(
+    store: &PostgresStore,
+    proxy: &Proxy,
+    key: idem_core::IdempotencyKey,
+    writes: impl FnOnce(i64) -> PgWrites,
+) -> (u64, u64) {
+    let lease = acquire(store, &AcquireRequest::new(key, "w")).await;
+    let (requests, flights) = (proxy.counters.requests(), proxy.flights());
+    store
+        .complete_with(
+            &lease,
+            Bytes::from_static(b"ok"),
+            RETENTION,
+            writes(lease.token.get() as i64),
+        )
+        .await
+        .unwrap();
+    (
+        proxy.counters.requests() - requests,
+        proxy.flights() - flights,
+    )
+}
+
+/// What a transactional completion costs on the wire, counted by the proxy: requests (each
+/// `Sync` or simple `Query`, what the server answers) and flights (network round trips).
+#[tokio::test]
+async fn one_round_trip_counted_on_the_wire() {
+    let Some((store, proxy)) = common::proxied_store(|c| c.with_pool_size(1)).await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let ns = ns();
+    let key = |k: &str| ns.key(k).unwrap();
+    let two = |token: i64| {
+        PgWrites::new()
+            .execute(t.insert(), (format!("a{token}"), 1i64, "alice", token))
+            .execute(t.insert(), (format!("b{token}"), 1i64, "alice", token))
+    };
+    let conditional = |token: i64| debit(&t, &format!("c{token}"), 1, token);
+
+    // First time on the connection: the texts are prepared first (one flight for all of them).
+    let first = cost(&store, &proxy, key("k1"), two).await;
+    // Prepared: BEGIN, completion, guard, 2 statements, COMMIT = 6 requests in one flight.
+    let steady = cost(&store, &proxy, key("k2"), two).await;
+    // A row-count condition: COMMIT waits for the counts, a second flight.
+    let _ = cost(&store, &proxy, key("k3"), conditional).await;
+    let with_condition = cost(&store, &proxy, key("k4"), conditional).await;
+    // With no statements it is a plain `complete`: one request, one flight (once prepared).
+    let _ = cost(&store, &proxy, key("k5"), |_| PgWrites::new()).await;
+    let none = cost(&store, &proxy, key("k6"), |_| PgWrites::new()).await;
+    println!(
+        "complete_with on the wire (requests, flights): first use {first:?}, two statements \
+         {steady:?}, with expect_rows {with_condition:?}, no statements {none:?}"
+    );
+    assert_eq!(steady, (6, 1));
+    assert_eq!(first.1, 2);
+    assert_eq!(with_condition, (6, 2));
+    assert_eq!(none, (1, 1));
+}

@@ -1,0 +1,9 @@
+#![doc = include_str!("../README.md")]
+
+mod backend;
+mod options;
+mod store;
+
+pub use backend::{CREATE_TABLE, SqliteBackend, TABLE};
+pub use options::{SqliteOptions, Synchronous};
+pub use store::SqliteStore;

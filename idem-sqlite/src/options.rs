@@ -1,0 +1,110 @@
+//! Options of a [`SqliteStore`](crate::SqliteStore).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::kit::KitOptions;
+use idem_core::{Clock, Limits};
+
+/// How hard SQLite works to make a commit durable (`PRAGMA synchronous`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Synchronous {
+    /// `FULL`: every commit is on disk (fsync) before the call returns. A record survives a
+    /// process crash, an operating-system crash and a power cut. The default.
+    #[default]
+    Full,
+    /// `NORMAL`: in WAL mode, commits are written to the log but synced only at checkpoints.
+    /// A record survives a process crash (`SIGKILL` included); an operating-system crash or a
+    /// power cut may lose the last commits, which then run again (a completed record that is
+    /// lost means its handler runs again). Several times faster on slow disks.
+    Normal,
+}
+
+impl Synchronous {
+    pub(crate) fn pragma(self) -> &'static str {
+        match self {
+            Self::Full => "FULL",
+            Self::Normal => "NORMAL",
+        }
+    }
+}
+
+/// Options of [`SqliteStore::open_with`](crate::SqliteStore::open_with).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct SqliteOptions {
+    /// Whether `open` creates the database file and the table when they are missing. When
+    /// `false`, a missing table is [`Error::NotSetUp`](idem_core::Error::NotSetUp) (and a
+    /// missing file [`Error::Unavailable`](idem_core::Error::Unavailable)). Default `true`.
+    pub create: bool,
+    /// How long one statement waits for a lock another process (or a checkpoint) holds before
+    /// it gives up with [`Error::Unavailable`](idem_core::Error::Unavailable) (SQLite's
+    /// `busy_timeout`). Default 5 s.
+    pub busy_timeout: Duration,
+    /// Durability of each commit. Default [`Synchronous::Full`].
+    pub synchronous: Synchronous,
+    /// Most idle read connections kept open for loads and scans (writes go through one
+    /// connection). Default 8.
+    pub readers: usize,
+    /// The kit's options: limits, the clock, conflict and retry bounds, tombstone time. The
+    /// default is [`KitOptions::default`] with `max_ambiguous` 1 (see the crate docs, "Errors").
+    pub kit: KitOptions,
+}
+
+impl Default for SqliteOptions {
+    fn default() -> Self {
+        Self {
+            create: true,
+            busy_timeout: Duration::from_secs(5),
+            synchronous: Synchronous::default(),
+            readers: 8,
+            kit: KitOptions::default().with_max_ambiguous(1),
+        }
+    }
+}
+
+impl SqliteOptions {
+    /// Sets whether `open` creates the file and the table.
+    pub fn with_create(mut self, create: bool) -> Self {
+        self.create = create;
+        self
+    }
+
+    /// Sets the busy timeout.
+    pub fn with_busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
+    /// Sets the durability of commits.
+    pub fn with_synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// Sets the most idle read connections.
+    pub fn with_readers(mut self, readers: usize) -> Self {
+        self.readers = readers;
+        self
+    }
+
+    /// Sets the kit's options.
+    pub fn with_kit(mut self, kit: KitOptions) -> Self {
+        self.kit = kit;
+        self
+    }
+
+    /// Sets the clock leases and retention are judged on (a
+    /// [`ManualClock`](idem_core::ManualClock) in tests); shorthand for the kit's.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.kit = self.kit.with_clock(clock);
+        self
+    }
+
+    /// Sets the size limits; shorthand for the kit's.
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.kit = self.kit.with_limits(limits);
+        self
+    }
+}

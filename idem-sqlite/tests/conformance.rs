@@ -1,0 +1,51 @@
+//! The whole conformance suite on `SqliteStore`: once on a manual clock (no sleeping), once on
+//! the system clock (the real-time paths), each scenario on its own database file; and C26.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{IN_PROCESS, db_path, unreachable};
+use idem_conformance::{Config, Harness};
+use idem_core::ManualClock;
+use idem_sqlite::{SqliteOptions, SqliteStore};
+
+mod manual_clock {
+    use super::*;
+
+    pub(super) async fn harness() -> Harness {
+        let clock = Arc::new(ManualClock::default());
+        let options = SqliteOptions::default().with_clock(clock.clone());
+        let store = SqliteStore::open_with(db_path("manual"), options)
+            .await
+            .expect("open");
+        Harness::new(Arc::new(store), Config::manual_time(clock))
+            .in_process(IN_PROCESS)
+            .with_unreachable(unreachable)
+    }
+
+    idem_conformance::conformance_tests!(harness);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn c26_listing() {
+        idem_conformance::scenarios::c26_listing(&harness().await).await;
+    }
+}
+
+mod system_clock {
+    use super::*;
+
+    pub(super) async fn harness() -> Harness {
+        let store = SqliteStore::open(db_path("system")).await.expect("open");
+        Harness::new(Arc::new(store), Config::real_time())
+            .in_process(IN_PROCESS)
+            .with_unreachable(unreachable)
+    }
+
+    idem_conformance::conformance_tests!(harness);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn c26_listing() {
+        idem_conformance::scenarios::c26_listing(&harness().await).await;
+    }
+}
