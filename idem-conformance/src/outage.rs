@@ -409,23 +409,34 @@ pub async fn run<S: TransactionalStore>(
 }
 
 async fn count_effects<S: TransactionalStore>(shared: &Shared<S>, report: &mut OutageReport) {
+    use futures::stream::{self, StreamExt};
     let ledger = std::mem::take(&mut *shared.ledger.lock().unwrap_or_else(|e| e.into_inner()));
-    for (k, key) in shared.keys.iter().enumerate() {
-        let record = retry(shared, || shared.store.get(key)).await;
-        let Some(record) = record.filter(|r| matches!(r.state, RecordState::Completed { .. }))
-        else {
-            report.lost_keys += 1;
-            continue;
-        };
-        let applied = match shared.path {
-            EffectPath::Transactional => retry(shared, || shared.effects.applied(key)).await,
-            EffectPath::Outside => ledger.get(&k).cloned().unwrap_or_default(),
-        };
-        if applied.is_empty() {
-            report.lost_keys += 1;
-        }
-        report.duplicate_effects += applied.len().saturating_sub(1);
-        report.zombie_writes += applied.iter().filter(|t| **t != record.token).count();
+    let ledger = &ledger;
+    // Each key: (completed with an effect?, extra applications, applications by another token).
+    let counts: Vec<(bool, usize, usize)> = stream::iter(shared.keys.iter().enumerate())
+        .map(|(k, key)| async move {
+            let record = retry(shared, || shared.store.get(key)).await;
+            let Some(record) = record.filter(|r| matches!(r.state, RecordState::Completed { .. }))
+            else {
+                return (false, 0, 0);
+            };
+            let applied = match shared.path {
+                EffectPath::Transactional => retry(shared, || shared.effects.applied(key)).await,
+                EffectPath::Outside => ledger.get(&k).cloned().unwrap_or_default(),
+            };
+            (
+                !applied.is_empty(),
+                applied.len().saturating_sub(1),
+                applied.iter().filter(|t| **t != record.token).count(),
+            )
+        })
+        .buffer_unordered(shared.plan.workers.max(1))
+        .collect()
+        .await;
+    for (ok, duplicates, zombies) in counts {
+        report.lost_keys += usize::from(!ok);
+        report.duplicate_effects += duplicates;
+        report.zombie_writes += zombies;
     }
 }
 
@@ -474,7 +485,10 @@ async fn deliver<S: TransactionalStore>(
 ) -> bool {
     let plan = &shared.plan;
     let key = &shared.keys[k];
-    let req = AcquireRequest::new(key.clone(), owner).with_lease_ttl(plan.lease_ttl);
+    // Attempts are not what this test measures: crashes and outages must never exhaust a key.
+    let req = AcquireRequest::new(key.clone(), owner)
+        .with_lease_ttl(plan.lease_ttl)
+        .with_max_attempts(1_000);
     let sent = Instant::now();
     let lease = match retry(shared, || shared.store.acquire(&req)).await {
         AcquireOutcome::Acquired { lease, .. } => lease,

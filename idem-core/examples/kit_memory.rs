@@ -25,7 +25,9 @@ pub struct MapBackend {
 
 impl MapBackend {
     fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<Vec<u8>, (Bytes, u64)>> {
-        self.map.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.map
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -39,7 +41,9 @@ impl CasBackend for MapBackend {
 
     async fn load(&self, key: &[u8]) -> Result<Option<Versioned<u64>>> {
         let map = self.map();
-        Ok(map.get(key).map(|(value, v)| Versioned::new(value.clone(), *v)))
+        Ok(map
+            .get(key)
+            .map(|(value, v)| Versioned::new(value.clone(), *v)))
     }
 
     async fn store(&self, key: &[u8], value: Bytes, expected: Option<&u64>) -> Result<Cas> {
@@ -95,9 +99,13 @@ async fn main() -> Result<()> {
         unreachable!("a fresh key is acquired");
     };
     println!("acquired with token {}", lease.token);
-    store.complete(&lease, Bytes::from_static(b"receipt-7"), retention).await?;
+    store
+        .complete(&lease, Bytes::from_static(b"receipt-7"), retention)
+        .await?;
     // A completion re-sent after a lost reply answers Ok and changes nothing.
-    store.complete(&lease, Bytes::from_static(b"receipt-7"), retention).await?;
+    store
+        .complete(&lease, Bytes::from_static(b"receipt-7"), retention)
+        .await?;
 
     match store.acquire(&request).await? {
         AcquireOutcome::Replayed { result } => println!("duplicate: replayed {result:?}"),

@@ -190,9 +190,17 @@ async fn each_call_costs_one_load_and_at_most_one_store() {
     assert_eq!(c, (1, 0), "acquire (busy)");
     let (lease, c) = cost!(f, s.extend(&lease, Duration::from_secs(20)).await.unwrap());
     assert_eq!(c, (1, 1), "extend");
-    let (_, c) = cost!(f, s.complete(&lease, Bytes::from_static(b"r"), RETENTION).await);
+    let (_, c) = cost!(
+        f,
+        s.complete(&lease, Bytes::from_static(b"r"), RETENTION)
+            .await
+    );
     assert_eq!(c, (1, 1), "complete");
-    let (r, c) = cost!(f, s.complete(&lease, Bytes::from_static(b"r"), RETENTION).await);
+    let (r, c) = cost!(
+        f,
+        s.complete(&lease, Bytes::from_static(b"r"), RETENTION)
+            .await
+    );
     r.unwrap();
     assert_eq!(c, (1, 0), "complete (replayed)");
     let (r, c) = cost!(f, s.release(&lease).await);
@@ -214,15 +222,27 @@ async fn bad_input_touches_nothing() {
     let lease = acquired(s, &req("k", "a")).await;
     let before = f.probe.calls();
     assert!(s.acquire(&req("k", "a\0b")).await.is_err());
-    assert!(s.acquire(&req("k", "a").with_max_attempts(0)).await.is_err());
+    assert!(
+        s.acquire(&req("k", "a").with_max_attempts(0))
+            .await
+            .is_err()
+    );
     assert!(s.extend(&lease, Duration::ZERO).await.is_err());
-    assert!(s.fail(&lease, "nul\0", FailureKind::Terminal, RETENTION).await.is_err());
+    assert!(
+        s.fail(&lease, "nul\0", FailureKind::Terminal, RETENTION)
+            .await
+            .is_err()
+    );
     let big = Bytes::from(vec![0; s.limits().max_result_len + 1]);
     assert!(matches!(
         s.complete(&lease, big, RETENTION).await,
         Err(Error::ResultTooLarge { .. })
     ));
-    assert!(s.complete(&lease, Bytes::new(), Duration::from_secs(u64::MAX / 4)).await.is_err());
+    assert!(
+        s.complete(&lease, Bytes::new(), Duration::from_secs(u64::MAX / 4))
+            .await
+            .is_err()
+    );
     assert_eq!(f.probe.calls(), before, "no backend call for bad input");
 }
 
@@ -234,10 +254,17 @@ async fn a_lost_reply_is_recognised_as_the_kits_own_write() {
     let (lease, c) = cost!(f, acquired(s, &req("k", "a")).await);
     assert_eq!(c, (2, 1), "one write, one reload that finds it");
     let record = s.get(&key("k")).await.unwrap().unwrap();
-    assert_eq!(record.token, lease.token, "the lease returned is the one stored");
+    assert_eq!(
+        record.token, lease.token,
+        "the lease returned is the one stored"
+    );
 
     f.probe.lose_reply.store(1, Ordering::SeqCst);
-    let (r, c) = cost!(f, s.complete(&lease, Bytes::from_static(b"ok"), RETENTION).await);
+    let (r, c) = cost!(
+        f,
+        s.complete(&lease, Bytes::from_static(b"ok"), RETENTION)
+            .await
+    );
     r.unwrap();
     assert_eq!(c, (2, 1));
     assert!(matches!(
@@ -252,7 +279,11 @@ async fn a_write_that_did_not_happen_is_made_again() {
     let s = &f.store;
     f.probe.fail_before.store(2, Ordering::SeqCst);
     let (lease, c) = cost!(f, acquired(s, &req("k", "a")).await);
-    assert_eq!(c, (3, 3), "two failed writes, each followed by a reload, then the write");
+    assert_eq!(
+        c,
+        (3, 3),
+        "two failed writes, each followed by a reload, then the write"
+    );
     assert_eq!(s.get(&key("k")).await.unwrap().unwrap().token, lease.token);
 }
 
@@ -262,7 +293,10 @@ async fn ambiguous_writes_are_bounded() {
     let s = &f.store;
     f.probe.fail_before.store(100, Ordering::SeqCst);
     let (r, c) = cost!(f, s.acquire(&req("k", "a")).await);
-    assert!(matches!(r, Err(Error::Unavailable { store: "probe", .. })), "{r:?}");
+    assert!(
+        matches!(r, Err(Error::Unavailable { store: "probe", .. })),
+        "{r:?}"
+    );
     let max = s.options().max_ambiguous;
     assert_eq!(c, (1 + max, 1 + max));
     f.probe.fail_before.store(0, Ordering::SeqCst);
@@ -330,11 +364,21 @@ async fn tokens_keep_rising_after_delete_and_expiry_whatever_the_clock_does() {
 
     let a = acquired(s, &req("deleted", "a")).await;
     assert!(s.delete(&key("deleted")).await.unwrap());
-    assert_eq!(s.get(&key("deleted")).await.unwrap(), None, "a tombstone reads as absent");
-    assert!(!s.delete(&key("deleted")).await.unwrap(), "nothing left to delete");
+    assert_eq!(
+        s.get(&key("deleted")).await.unwrap(),
+        None,
+        "a tombstone reads as absent"
+    );
+    assert!(
+        !s.delete(&key("deleted")).await.unwrap(),
+        "nothing left to delete"
+    );
     assert!(matches!(
         s.complete(&a, Bytes::new(), RETENTION).await,
-        Err(Error::LeaseLost { why: LostLease::Gone, .. })
+        Err(Error::LeaseLost {
+            why: LostLease::Gone,
+            ..
+        })
     ));
     f.clock.set(start - Duration::from_secs(3600)); // the clock steps back an hour
     let b = acquired(s, &req("deleted", "b")).await;
@@ -345,10 +389,13 @@ async fn tokens_keep_rising_after_delete_and_expiry_whatever_the_clock_does() {
     // a day ahead): the next token is still above it.
     f.clock.set(start);
     let a = acquired(s, &req("expired", "a")).await;
-    s.complete(&a, Bytes::from_static(b"x"), Duration::from_secs(1)).await.unwrap();
+    s.complete(&a, Bytes::from_static(b"x"), Duration::from_secs(1))
+        .await
+        .unwrap();
     let raw = storage_key(&key("expired"));
     let loaded = f.probe.inner.load(&raw).await.unwrap().unwrap();
-    let Stored::Record(mut record) = decode("probe", &key("expired"), &loaded.value).unwrap() else {
+    let Stored::Record(mut record) = decode("probe", &key("expired"), &loaded.value).unwrap()
+    else {
         panic!("a record");
     };
     let ahead = FencingToken::new(a.token.get() + 86_400_000_000);
@@ -359,10 +406,18 @@ async fn tokens_keep_rising_after_delete_and_expiry_whatever_the_clock_does() {
         .await
         .unwrap();
     f.clock.advance(Duration::from_secs(2));
-    assert_eq!(s.get(&key("expired")).await.unwrap(), None, "past retention");
+    assert_eq!(
+        s.get(&key("expired")).await.unwrap(),
+        None,
+        "past retention"
+    );
     let b = acquired(s, &req("expired", "b")).await;
     assert_eq!(b.attempt, 1, "a fresh acquisition");
-    assert_eq!(b.token.get(), ahead.get() + 1, "previous + 1, not the clock");
+    assert_eq!(
+        b.token.get(),
+        ahead.get() + 1,
+        "previous + 1, not the clock"
+    );
 }
 
 #[tokio::test]
@@ -371,33 +426,57 @@ async fn purge_keeps_tombstones_until_the_clock_has_passed_them() {
     let s = &f.store;
     let start = idem_core::Clock::now(&*f.clock);
     let a = acquired(s, &req("old", "a")).await;
-    s.complete(&a, Bytes::from_static(b"result"), Duration::from_secs(1)).await.unwrap();
+    s.complete(&a, Bytes::from_static(b"result"), Duration::from_secs(1))
+        .await
+        .unwrap();
     let live = acquired(s, &req("live", "a")).await;
     let _ = live;
     assert_eq!(s.purge_expired(10).await.unwrap(), 0, "nothing expired yet");
 
     f.clock.advance(Duration::from_secs(2));
     assert_eq!(s.purge_expired(10).await.unwrap(), 1, "the expired record");
-    let raw = f.probe.inner.load(&storage_key(&key("old"))).await.unwrap().unwrap();
+    let raw = f
+        .probe
+        .inner
+        .load(&storage_key(&key("old")))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
         decode("probe", &key("old"), &raw.value).unwrap(),
         Stored::Tombstone(a.token),
         "became a tombstone"
     );
-    assert_eq!(s.purge_expired(10).await.unwrap(), 0, "the tombstone is still needed");
+    assert_eq!(
+        s.purge_expired(10).await.unwrap(),
+        0,
+        "the tombstone is still needed"
+    );
 
     let ttl = s.options().tombstone_ttl;
     f.clock.set(start + ttl + Duration::from_secs(1));
-    assert_eq!(s.purge_expired(10).await.unwrap(), 1, "the tombstone's time is up");
-    assert_eq!(f.probe.inner.load(&storage_key(&key("old"))).await.unwrap(), None);
-    assert!(s.get(&key("live")).await.unwrap().is_some(), "a live record stays");
+    assert_eq!(
+        s.purge_expired(10).await.unwrap(),
+        1,
+        "the tombstone's time is up"
+    );
+    assert_eq!(
+        f.probe.inner.load(&storage_key(&key("old"))).await.unwrap(),
+        None
+    );
+    assert!(
+        s.get(&key("live")).await.unwrap().is_some(),
+        "a live record stays"
+    );
     let b = acquired(s, &req("old", "b")).await;
     assert!(b.token > a.token);
 
     // Bounded by the limit.
     for i in 0..5 {
         let l = acquired(s, &req(&format!("many-{i}"), "a")).await;
-        s.complete(&l, Bytes::new(), Duration::from_secs(1)).await.unwrap();
+        s.complete(&l, Bytes::new(), Duration::from_secs(1))
+            .await
+            .unwrap();
     }
     f.clock.advance(Duration::from_secs(2));
     assert_eq!(s.purge_expired(0).await.unwrap(), 0);
@@ -410,10 +489,13 @@ async fn without_scan_list_is_unsupported_and_purge_removes_nothing() {
     let f = fixture_with(Probe::default());
     let s = &f.store;
     let l = acquired(s, &req("k", "a")).await;
-    s.complete(&l, Bytes::new(), Duration::from_secs(1)).await.unwrap();
+    s.complete(&l, Bytes::new(), Duration::from_secs(1))
+        .await
+        .unwrap();
     f.clock.advance(Duration::from_secs(2));
     assert!(matches!(
-        s.list(&ListQuery::new(Namespace::new("kit").unwrap())).await,
+        s.list(&ListQuery::new(Namespace::new("kit").unwrap()))
+            .await,
         Err(Error::Unsupported {
             store: "probe",
             operation: "list"
@@ -428,7 +510,11 @@ async fn foreign_values_are_corrupt_records_and_left_alone() {
     let s = &f.store;
     let raw = storage_key(&key("foreign"));
     let foreign = Bytes::from_static(b"{\"not\":\"a record\"}");
-    f.probe.inner.store(&raw, foreign.clone(), None).await.unwrap();
+    f.probe
+        .inner
+        .store(&raw, foreign.clone(), None)
+        .await
+        .unwrap();
     for r in [
         s.acquire(&req("foreign", "a")).await.map(drop),
         s.get(&key("foreign")).await.map(drop),
@@ -439,12 +525,17 @@ async fn foreign_values_are_corrupt_records_and_left_alone() {
             "{r:?}"
         );
     }
-    assert_eq!(f.probe.inner.load(&raw).await.unwrap().unwrap().value, foreign);
+    assert_eq!(
+        f.probe.inner.load(&raw).await.unwrap().unwrap().value,
+        foreign
+    );
 }
 
 #[tokio::test]
 async fn leases_are_judged_on_the_backends_clock_when_it_has_one() {
-    let server = Arc::new(ManualClock::new(UNIX_EPOCH + Duration::from_secs(2_000_000_000)));
+    let server = Arc::new(ManualClock::new(
+        UNIX_EPOCH + Duration::from_secs(2_000_000_000),
+    ));
     let f = fixture_with(Probe {
         clock: Some(server.clone()),
         ..Probe::default()
@@ -476,7 +567,9 @@ async fn refusals_say_why() {
     let f = fixture();
     let s = &f.store;
     let a = acquired(s, &req("k", "a")).await;
-    s.fail(&a, "boom", FailureKind::Retryable, RETENTION).await.unwrap();
+    s.fail(&a, "boom", FailureKind::Retryable, RETENTION)
+        .await
+        .unwrap();
     assert!(matches!(
         s.complete(&a, Bytes::new(), RETENTION).await,
         Err(Error::LeaseLost {
@@ -496,7 +589,12 @@ async fn refusals_say_why() {
         token: FencingToken::new(1),
         ..b.clone()
     };
-    assert!(s.extend(&stale, Duration::from_secs(1)).await.unwrap_err().is_lease_lost());
+    assert!(
+        s.extend(&stale, Duration::from_secs(1))
+            .await
+            .unwrap_err()
+            .is_lease_lost()
+    );
 }
 
 proptest! {

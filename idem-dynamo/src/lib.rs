@@ -1,10 +1,12 @@
 #![doc = include_str!("../README.md")]
 
+mod batch;
 mod config;
 mod counter;
 mod error;
 mod expr;
 mod item;
+mod list;
 mod store;
 mod table;
 mod transact;

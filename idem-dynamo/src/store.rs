@@ -17,11 +17,13 @@ use aws_sdk_dynamodb::types::{ReturnValue, ReturnValuesOnConditionCheckFailure};
 use bytes::Bytes;
 use idem_core::machine::{self, AcquireDecision, Finish};
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Clock, Error, FailureKind, FencingToken, IdempotencyKey,
-    IdempotencyStore, Lease, Limits, Record, RecordState, Result, StateKind, check_lease_ttl,
+    AcquireOutcome, AcquireRequest, Clock, Completion, Error, Failure, FailureKind, FencingToken,
+    IdempotencyKey, IdempotencyStore, Lease, Limits, ListQuery, Page, Record, RecordState, Result,
+    StateKind, check_lease_ttl,
 };
 
 use crate::STORE;
+use crate::batch::run_batch;
 use crate::config::DynamoConfig;
 use crate::counter::RequestCounter;
 use crate::error::map_sdk_error;
@@ -234,6 +236,11 @@ impl DynamoStore {
     /// The clock reading used for one operation (see [`Self::now`]), in microseconds.
     pub(crate) fn now_us(&self) -> u64 {
         self.now().0
+    }
+
+    /// The clock reading used for one operation (see [`Self::now`]).
+    pub(crate) fn now_time(&self) -> SystemTime {
+        self.now().1
     }
 }
 
@@ -497,6 +504,75 @@ impl IdempotencyStore for DynamoStore {
             Some(Finish::Release),
         )
         .await
+    }
+
+    /// Bounded concurrent single acquires (DynamoDB has no batched conditional write; see
+    /// the crate docs, "Batches"); the requests of one key run in order.
+    async fn acquire_many(&self, reqs: &[AcquireRequest]) -> Result<Vec<Result<AcquireOutcome>>> {
+        self.limits.check_batch(reqs.len())?;
+        Ok(run_batch(
+            self,
+            reqs,
+            |req| partition_key(&req.key),
+            |store, req| async move { store.acquire(&req).await },
+        )
+        .await)
+    }
+
+    /// Bounded concurrent single completions; the items of one key run in order.
+    async fn complete_many(
+        &self,
+        items: &[Completion],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        self.limits.check_batch(items.len())?;
+        Ok(
+            run_batch(
+                self,
+                items,
+                |item| partition_key(&item.lease.key),
+                move |store, item| async move {
+                    store.complete(&item.lease, item.result, retention).await
+                },
+            )
+            .await,
+        )
+    }
+
+    /// Bounded concurrent single failures; the items of one key run in order.
+    async fn fail_many(&self, items: &[Failure], retention: Duration) -> Result<Vec<Result<()>>> {
+        self.limits.check_batch(items.len())?;
+        Ok(run_batch(
+            self,
+            items,
+            |item| partition_key(&item.lease.key),
+            move |store, item| async move {
+                store
+                    .fail(&item.lease, &item.error, item.kind, retention)
+                    .await
+            },
+        )
+        .await)
+    }
+
+    /// Bounded concurrent single releases; the leases of one key run in order.
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Result<()>>> {
+        self.limits.check_batch(leases.len())?;
+        Ok(run_batch(
+            self,
+            leases,
+            |lease| partition_key(&lease.key),
+            |store, lease| async move { store.release(&lease).await },
+        )
+        .await)
+    }
+
+    /// One page: one strongly consistent `Scan` request of up to `query.limit` items of the
+    /// whole table, filtered by namespace (and state) in DynamoDB and by
+    /// [`ListQuery::matches`] here, so pages may be short. Cost: O(table) over a whole
+    /// listing, and read capacity for every item scanned (see the crate docs, "Listing").
+    async fn list(&self, query: &ListQuery) -> Result<Page> {
+        self.list_page(query).await
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>> {

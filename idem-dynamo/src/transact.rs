@@ -406,8 +406,9 @@ impl TransactionalStore for DynamoStore {
     ///
     /// # Errors
     /// - The errors of [`complete`] for the result and the retention, and
-    ///   [`Error::InvalidInput`] (field `writes`) for more than [`MAX_WRITES`] writes, an
-    ///   action holding no or several actions, or one on the record's own item;
+    ///   [`Error::InvalidInput`] (field `writes`) for more than [`MAX_WRITES`] writes, a
+    ///   [`TransactWriteItem`] holding no action or several, or an action on the record's own
+    ///   item;
     /// - [`Error::LeaseLost`] when the completion's condition fails (a stale or finished
     ///   lease), unless the record shows this very completion done (the same token and result
     ///   bytes): then `Ok`, and the writes, applied with it the first time, are not applied

@@ -1,4 +1,4 @@
-//! The whole `idem-conformance` suite (C01-C23) against DynamoDB (Local by default; see
+//! The whole `idem-conformance` suite (C01-C24), C26 (listing) against DynamoDB (Local by default; see
 //! `tests/common/mod.rs` for the endpoint variable), and C25 (transactional effects) on
 //! `DynamoStore`'s `TransactWriteItems` completion. Skipped with one line when nothing answers
 //! there (a failure with `CI` set).
@@ -25,6 +25,19 @@ async fn harness() -> Option<Harness> {
 }
 
 idem_conformance::conformance_tests!(harness);
+
+/// C26: the operator listing (one `Scan` per page), on the real clock, on a table of its own:
+/// a `Scan` reads the whole table, and the shared one fills up with the other scenarios'
+/// records while C26's timings run.
+#[tokio::test]
+async fn c26_listing() {
+    let table = format!("{}-c26", common::table());
+    let Some(store) = common::store_with(common::config(&table)).await else {
+        return;
+    };
+    let h = Harness::new(Arc::new(store), Config::real_time());
+    idem_conformance::scenarios::c26_listing(&h).await;
+}
 
 /// C25: the handler's writes are actions of the completion's `TransactWriteItems`, here on the
 /// test process's effects table.

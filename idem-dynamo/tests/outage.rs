@@ -1,6 +1,8 @@
 //! The store-outage fault test of issue 12 on a private DynamoDB Local (`-sharedDb -dbPath` on
-//! a port of its own, never the shared server): 10,000 keys × 3 deliveries (`IDEM_OUTAGE_KEYS`
-//! to change), workers that crash and stall past their lease, and the server killed with
+//! a port of its own, never the shared server): 2,000 keys × 3 deliveries by default, so that CI
+//! stays bounded (DynamoDB Local serves a few hundred transactions a second here: 10,000 keys
+//! take 5 to 9 minutes); `IDEM_OUTAGE_KEYS=10000` runs the issue's full size. Workers that
+//! crash and stall past their lease, and the server killed with
 //! `SIGKILL` and restarted twice per run, once with the effect committed by `complete_with` in
 //! the completion's `TransactWriteItems` and once written outside the store. The driver
 //! (`idem_conformance::outage`) prints the table and asserts 0 lost keys, 0 duplicate effects
@@ -64,7 +66,10 @@ async fn killing_dynamodb_duplicates_nothing_on_the_transactional_path() {
     let effects = EffectTable::on(server.config("idem-outage-effects")).await;
     // Leases of a second: DynamoDB Local on this kind of machine answers in tens of
     // milliseconds under the workers' load, and takes seconds to warm up after a restart.
-    let plan = OutagePlan::default().with_lease_ttl(Duration::from_secs(1));
+    let mut plan = OutagePlan::default().with_lease_ttl(Duration::from_secs(1));
+    if std::env::var_os("IDEM_OUTAGE_KEYS").is_none() {
+        plan = plan.with_keys(2_000);
+    }
     let started = Instant::now();
     let (tx, outside) = run_both(
         "dynamo (DynamoDB Local, -sharedDb -dbPath, SIGKILL)",

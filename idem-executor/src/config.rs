@@ -421,7 +421,9 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    pub(crate) fn new(field: &'static str, reason: impl Into<String>) -> Self {
+    /// A rejection of `field`, for components that take an [`ExecutorConfig`] and refuse parts
+    /// of it that do not apply to them.
+    pub fn new(field: &'static str, reason: impl Into<String>) -> Self {
         Self {
             field,
             reason: reason.into(),

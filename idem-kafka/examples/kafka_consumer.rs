@@ -1,9 +1,11 @@
 //! A payments consumer on Kafka, made effectively-once by idem with Redis as the store.
 //!
-//! It produces a few payment records (one of them twice, one key reused with another amount) to
-//! `idem-example-payments`, then consumes them with [`KafkaRunner`] until every record is resolved:
-//! each payment is charged once, the duplicate is replayed from the store, and the reused key goes
-//! to `idem-example-payments.dlq` with its reason in the headers.
+//! It creates its topic `idem-example-payments` (3 partitions) and the dead-letter topic
+//! `idem-example-payments.dlq` (1 partition) if they do not exist yet, produces a few payment
+//! records (one of them twice, one key reused with another amount), then consumes them with
+//! [`KafkaRunner`] until every record is resolved: each payment is charged once, the duplicate is
+//! replayed from the store, and the reused key goes to `idem-example-payments.dlq` with its reason
+//! in the headers.
 //!
 //! ```text
 //! scripts/services.sh kafka redis
@@ -16,15 +18,22 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_core::executor::{Executor, ExecutorConfig, HandlerContext, HandlerError};
+use idem_executor::{Executor, ExecutorConfig, HandlerContext, HandlerError};
 use idem_kafka::rdkafka::ClientConfig;
+use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idem_kafka::rdkafka::client::DefaultClientContext;
 use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem_kafka::{KafkaMessage, KafkaRunner, RunnerOptions};
+use idem_kafka::rdkafka::types::RDKafkaErrorCode;
+use idem_kafka::{DeadLetterTopic, KafkaMessage, KafkaRunner, RunnerOptions};
 use idem_redis::RedisStore;
 use serde::{Deserialize, Serialize};
 
 const TOPIC: &str = "idem-example-payments";
+/// Partitions of the source topic: at most this many records are processed at once.
+const PARTITIONS: i32 = 3;
+/// Partitions of the dead-letter topic: it only gets the records that need a person.
+const DLQ_PARTITIONS: i32 = 1;
 
 /// What the handler returns: stored once, replayed to every duplicate.
 #[derive(Debug, Serialize, Deserialize)]
@@ -50,6 +59,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let brokers = std::env::var("IDEM_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
     let redis_url =
         std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+
+    // 0. The topics: the source topic and its dead-letter topic (`payments` -> `payments.dlq`, the
+    //    runner's default). Created here if missing; "already exists" is fine.
+    let dead_letter = DeadLetterTopic::default();
+    let dlq = dead_letter.for_source(TOPIC);
+    create_topics(&brokers, &[(TOPIC, PARTITIONS), (&dlq, DLQ_PARTITIONS)]).await?;
 
     // 1. Some payments; the key travels in the `idempotency-key` header (the default key source).
     let producer: FutureProducer = ClientConfig::new()
@@ -117,7 +132,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // 4. The runner: commits only resolved records, pauses on busy keys, dead-letters conflicts.
     let runner = KafkaRunner::builder(consumer, executor, handler)
         .topic(TOPIC)
-        .options(RunnerOptions::default().with_commit_interval(Duration::from_millis(500)))
+        .options(
+            RunnerOptions::default()
+                .with_commit_interval(Duration::from_millis(500))
+                .with_dead_letter_topic(dead_letter),
+        )
         .build()?;
     let stats = runner.stats();
     let ours = payments.len() as u64;
@@ -139,11 +158,36 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     runner.run(shutdown).await?;
     println!(
-        "resolved {} records: {} executed, {} replayed, {} dead-lettered to {TOPIC}.dlq",
+        "resolved {} records: {} executed, {} replayed, {} dead-lettered to {dlq}",
         stats.resolved(),
         stats.executed(),
         stats.replayed(),
         stats.dead_lettered()
     );
+    Ok(())
+}
+
+/// Creates each `(topic, partitions)` that does not exist yet, with the broker's default
+/// replication factor (`TopicReplication::Fixed(-1)`: 1 on a one-broker development cluster,
+/// `default.replication.factor` on a real one). A topic that already exists is left as it is.
+async fn create_topics(
+    brokers: &str,
+    topics: &[(&str, i32)],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|&(name, partitions)| NewTopic::new(name, partitions, TopicReplication::Fixed(-1)))
+        .collect();
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    for result in admin.create_topics(&new, &options).await? {
+        match result {
+            Ok(topic) => println!("created topic {topic}"),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => return Err(format!("creating topic {topic}: {code}").into()),
+        }
+    }
     Ok(())
 }

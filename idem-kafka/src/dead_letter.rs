@@ -1,9 +1,9 @@
 //! The dead-letter topic: what is written there, and how.
 
-use std::fmt;
 use std::time::Duration;
 
-use idem_core::executor::{ExecutorError, Outcome};
+pub use idem_executor::DeadLetterReason;
+use idem_executor::{ExecutorError, Outcome};
 use rdkafka::message::{Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Timestamp};
@@ -27,61 +27,8 @@ pub const HEADER_SOURCE_PARTITION: &str = "idem-dlq-source-partition";
 /// Header with the offset the record was read from (decimal).
 pub const HEADER_SOURCE_OFFSET: &str = "idem-dlq-source-offset";
 
-/// Why a record went to the dead-letter topic; its [`as_str`](Self::as_str) code is the value of
-/// the [`HEADER_REASON`] header.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum DeadLetterReason {
-    /// `conflict`: the key was used before with a different payload
-    /// ([`Outcome::Conflict`]). The handler did not run for this record.
-    Conflict,
-    /// `exhausted`: the key failed or crashed the maximum number of attempts
-    /// ([`Outcome::Exhausted`]): a poison message.
-    Exhausted,
-    /// `failed`: the handler failed terminally, now or before ([`Outcome::Failed`], or a terminal
-    /// failure of an un-deduplicated run).
-    Failed,
-    /// `missing_key`: the record has no idempotency key and the executor rejects such records.
-    MissingKey,
-    /// `invalid_key`: the record's key is not a valid idempotency key (too long, NUL).
-    InvalidKey,
-    /// `invalid_message`: the record cannot be read as configured (key header not UTF-8, payload
-    /// not JSON, ...).
-    InvalidMessage,
-    /// `decode`: the stored result of the key does not decode as the handler's result type.
-    Decode,
-    /// `result_not_stored`: the handler succeeded (its effect is applied) but its result could
-    /// not be stored; the key is recorded as terminal and never runs again.
-    ResultNotStored,
-    /// `other`: an outcome or error this version of the runner does not know, whose action is
-    /// dead-lettering.
-    Other,
-}
-
-impl DeadLetterReason {
-    /// The code written in the [`HEADER_REASON`] header.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Conflict => "conflict",
-            Self::Exhausted => "exhausted",
-            Self::Failed => "failed",
-            Self::MissingKey => "missing_key",
-            Self::InvalidKey => "invalid_key",
-            Self::InvalidMessage => "invalid_message",
-            Self::Decode => "decode",
-            Self::ResultNotStored => "result_not_stored",
-            Self::Other => "other",
-        }
-    }
-}
-
-impl fmt::Display for DeadLetterReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// Where dead-lettered records go.
+/// Where dead-lettered records go. The runner never creates the topic: create it with the
+/// source topic (see [Topics](crate#topics)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DeadLetterTopic {
@@ -127,42 +74,33 @@ pub(crate) struct DeadLetterInfo {
     pub(crate) attempts: Option<u32>,
 }
 
-/// Classifies a result whose broker action is dead-lettering. `attempt` is the attempt of the
-/// handler run in this call (0 when the handler did not run).
+/// What to write for a result whose broker action is
+/// [`BrokerAction::DeadLetter`](idem_executor::BrokerAction::DeadLetter): the action's `reason`
+/// and `error`, and the attempt count. `attempt` is the attempt of the handler run in this call
+/// (0 when the handler did not run).
 pub(crate) fn classify<T>(
     result: &Result<Outcome<T>, ExecutorError>,
-    reason_text: String,
+    reason: DeadLetterReason,
+    error: String,
     attempt: u32,
 ) -> DeadLetterInfo {
     let ran = (attempt > 0).then_some(attempt);
-    let (reason, error, attempts) = match result {
-        Ok(Outcome::Conflict) => (DeadLetterReason::Conflict, reason_text, Some(0)),
-        Ok(Outcome::Exhausted {
-            attempts,
-            last_error,
-        }) => (
-            DeadLetterReason::Exhausted,
-            last_error
-                .clone()
-                .unwrap_or_else(|| "the last attempt crashed or stalled past its lease".into()),
-            Some(*attempts),
-        ),
-        Ok(Outcome::Failed { error }) => (DeadLetterReason::Failed, error.clone(), ran),
-        Ok(Outcome::NotDeduplicated {
-            result: Err(failure),
-            ..
-        }) => (DeadLetterReason::Failed, failure.error.clone(), Some(1)),
-        Ok(Outcome::ResultNotStored { error }) => {
-            (DeadLetterReason::ResultNotStored, error.clone(), ran)
-        }
-        Ok(_) => (DeadLetterReason::Other, reason_text, ran),
-        Err(ExecutorError::MissingKey) => (DeadLetterReason::MissingKey, reason_text, Some(0)),
-        Err(ExecutorError::InvalidKey(_)) => (DeadLetterReason::InvalidKey, reason_text, Some(0)),
-        Err(ExecutorError::InvalidMessage { .. }) => {
-            (DeadLetterReason::InvalidMessage, reason_text, Some(0))
-        }
-        Err(ExecutorError::Decode { .. }) => (DeadLetterReason::Decode, reason_text, None),
-        Err(_) => (DeadLetterReason::Other, reason_text, ran),
+    let attempts = match result {
+        // The handler never ran for this payload.
+        Ok(Outcome::Conflict)
+        | Err(
+            ExecutorError::MissingKey
+            | ExecutorError::InvalidKey(_)
+            | ExecutorError::InvalidMessage { .. },
+        ) => Some(0),
+        Ok(Outcome::Exhausted { attempts, .. }) => Some(*attempts),
+        Ok(Outcome::NotCommitted { attempt, .. }) => Some(*attempt),
+        // Un-deduplicated: the one run of this call, counted nowhere else.
+        Ok(Outcome::NotDeduplicated { .. }) => Some(1),
+        // A replayed result that does not decode: the count is the store's.
+        Err(ExecutorError::Decode { .. }) => None,
+        // `Failed`, `ResultNotStored`: this call's run, or (replayed) the store's count.
+        _ => ran,
     };
     DeadLetterInfo {
         reason,
@@ -273,59 +211,101 @@ impl DeadLetterProducer {
 
 #[cfg(test)]
 mod tests {
-    use idem_core::executor::Outcome;
+    use idem_executor::{BrokerAction, Outcome};
     use rdkafka::message::OwnedMessage;
 
     use super::*;
 
+    /// What the worker writes for `result` after the handler's attempt `attempt` (0: none).
+    fn info(result: &Result<Outcome<()>, ExecutorError>, attempt: u32) -> DeadLetterInfo {
+        let BrokerAction::DeadLetter { reason, error } = BrokerAction::of(result) else {
+            panic!("not dead-lettered: {result:?}");
+        };
+        classify(result, reason, error, attempt)
+    }
+
     #[test]
     fn result_not_stored_is_its_own_reason() {
-        let outcome: Result<Outcome<()>, _> = Ok(Outcome::ResultNotStored {
-            error: "too big".into(),
-        });
-        let info = classify(&outcome, "result_not_stored: too big".into(), 1);
+        let info = info(
+            &Ok(Outcome::ResultNotStored {
+                error: "too big".into(),
+            }),
+            1,
+        );
         assert_eq!(info.reason, DeadLetterReason::ResultNotStored);
         assert_eq!(info.reason.as_str(), "result_not_stored");
-        assert_eq!(info.error, "too big");
+        assert_eq!(info.error, "too big", "no prefix on the error text");
+        assert_eq!(info.attempts, Some(1));
+    }
+
+    #[test]
+    fn the_header_codes_are_unchanged() {
+        // Dead-letter consumers match on these strings: they must never change.
+        let codes: Vec<&str> = DeadLetterReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(
+            codes,
+            [
+                "conflict",
+                "exhausted",
+                "failed",
+                "result_not_stored",
+                "missing_key",
+                "invalid_key",
+                "invalid_message",
+                "decode"
+            ]
+        );
     }
 
     #[test]
     fn classification() {
-        let conflict: Result<Outcome<()>, _> = Ok(Outcome::Conflict);
-        let info = classify(&conflict, "fingerprint conflict".into(), 0);
+        let conflict = info(&Ok(Outcome::Conflict), 0);
         assert_eq!(
-            (info.reason, info.attempts),
+            (conflict.reason, conflict.attempts),
             (DeadLetterReason::Conflict, Some(0))
         );
+        assert!(conflict.error.contains("conflict"), "{conflict:?}");
 
-        let exhausted: Result<Outcome<()>, _> = Ok(Outcome::Exhausted {
+        let exhausted = Ok(Outcome::Exhausted {
             attempts: 3,
             last_error: Some("boom".into()),
         });
-        let info = classify(&exhausted, "x".into(), 3);
         assert_eq!(
-            info,
+            info(&exhausted, 3),
             DeadLetterInfo {
                 reason: DeadLetterReason::Exhausted,
                 error: "boom".into(),
                 attempts: Some(3)
             }
         );
+        let crashed = Ok(Outcome::Exhausted {
+            attempts: 5,
+            last_error: None,
+        });
+        let crashed = info(&crashed, 0);
+        assert_eq!(
+            crashed.attempts,
+            Some(5),
+            "the count comes with the outcome"
+        );
+        assert!(crashed.error.contains("crashed"), "{crashed:?}");
 
-        let failed: Result<Outcome<()>, _> = Ok(Outcome::Failed {
+        let failed = Ok(Outcome::Failed {
             error: "bad amount".into(),
         });
-        assert_eq!(classify(&failed, "x".into(), 2).attempts, Some(2));
+        assert_eq!(info(&failed, 2).reason, DeadLetterReason::Failed);
+        assert_eq!(info(&failed, 2).error, "bad amount");
+        assert_eq!(info(&failed, 2).attempts, Some(2));
         assert_eq!(
-            classify(&failed, "x".into(), 0).attempts,
+            info(&failed, 0).attempts,
             None,
             "a replayed terminal failure: read the count from the store"
         );
 
-        let missing: Result<Outcome<()>, _> = Err(ExecutorError::MissingKey);
-        let info = classify(&missing, "the message has no idempotency key".into(), 0);
-        assert_eq!(info.reason, DeadLetterReason::MissingKey);
-        assert_eq!(info.error, "the message has no idempotency key");
+        let missing = info(&Err(ExecutorError::MissingKey), 0);
+        assert_eq!(missing.reason, DeadLetterReason::MissingKey);
+        assert_eq!(missing.error, "the message has no idempotency key");
+        assert_eq!(missing.attempts, Some(0));
     }
 
     #[test]

@@ -9,12 +9,12 @@ use rdkafka::message::{Headers, Message as _, OwnedHeaders, OwnedMessage};
 /// One Kafka record as the runner hands it to the handler: topic, partition, offset, key,
 /// value, headers and timestamp. Cheap to clone (the record is shared behind an `Arc`).
 ///
-/// It implements [`idem_core::Message`], so every [`KeySource`](idem_core::KeySource) works on
-/// it: [`KeySource::header`](idem_core::KeySource::header) reads a record header (the first one of
-/// that name; a header with a null value counts as absent),
-/// [`KeySource::message_key`](idem_core::KeySource::message_key) reads the record key, and
-/// [`KeySource::from_fn`](idem_core::KeySource::from_fn) sees the payload, headers and key.
-/// A record without a value (a tombstone) has an empty payload.
+/// It implements [`idem_executor::Message`], so every [`KeySource`](idem_executor::KeySource)
+/// works on it: [`KeySource::header`](idem_executor::KeySource::header) reads a record header (the
+/// first one of that name, compared case-sensitively; a header with a null value counts as
+/// absent), [`KeySource::message_key`](idem_executor::KeySource::message_key) reads the record
+/// key, and [`KeySource::from_fn`](idem_executor::KeySource::from_fn) sees the payload, headers
+/// and key. A record without a value (a tombstone) has an empty payload.
 #[derive(Clone)]
 pub struct KafkaMessage {
     inner: Arc<OwnedMessage>,
@@ -97,7 +97,7 @@ impl fmt::Debug for KafkaMessage {
     }
 }
 
-impl idem_core::Message for KafkaMessage {
+impl idem_executor::Message for KafkaMessage {
     fn payload(&self) -> &[u8] {
         KafkaMessage::payload(self)
     }
@@ -113,7 +113,7 @@ impl idem_core::Message for KafkaMessage {
 
 #[cfg(test)]
 mod tests {
-    use idem_core::executor::KeySource;
+    use idem_executor::KeySource;
     use rdkafka::message::Header;
 
     use super::*;

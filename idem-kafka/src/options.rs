@@ -42,7 +42,8 @@ pub struct RunnerOptions {
     /// Longest pause before a record is tried again (default 5 s): a key held by a live lease is
     /// looked at again at least this often, even when the holder's lease runs longer.
     pub max_retry_delay: Duration,
-    /// Where dead-lettered records go (default: the source topic + `.dlq`).
+    /// Where dead-lettered records go (default: the source topic + `.dlq`). The runner never
+    /// creates these topics: see [Topics](crate#topics).
     pub dead_letter_topic: DeadLetterTopic,
     /// How long one dead-letter write may take before it is tried again (default 30 s). Also the
     /// dead-letter producer's `message.timeout.ms`, so a write that timed out is never delivered

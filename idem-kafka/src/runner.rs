@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use idem_core::executor::{Codec, Executor, JsonCodec};
+use idem_executor::{Codec, Executor, Handler, JsonCodec};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::KafkaError;
@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 use crate::context::{RunnerContext, Shared, Slot, SpawnWorker};
 use crate::dead_letter::DeadLetterProducer;
 use crate::error::RunnerError;
+use crate::execute::Execution;
 use crate::flow::Flow;
-use crate::handler::Handler;
 use crate::message::KafkaMessage;
 use crate::options::RunnerOptions;
 use crate::stats::RunnerStats;
@@ -86,7 +86,7 @@ impl<H, T, C> std::fmt::Debug for KafkaRunnerBuilder<H, T, C> {
 
 impl<H, T, C> KafkaRunner<H, T, C>
 where
-    H: Handler<T>,
+    H: Handler<KafkaMessage, T>,
     T: Serialize + DeserializeOwned + Send + 'static,
     C: Codec,
 {
@@ -199,7 +199,7 @@ where
 
 impl<H, T, C> KafkaRunnerBuilder<H, T, C>
 where
-    H: Handler<T>,
+    H: Handler<KafkaMessage, T>,
     T: Serialize + DeserializeOwned + Send + 'static,
     C: Codec,
 {
@@ -293,8 +293,7 @@ where
             consumer_config: self.consumer_config,
             topics: self.topics,
             common: Common {
-                executor: self.executor,
-                handler: Arc::new(self.handler),
+                execution: Execution::new(self.executor, self.handler),
                 dead_letter: Arc::new(dead_letter),
                 in_flight: Arc::new(Semaphore::new(options.max_in_flight)),
                 stats: Arc::new(RunnerStats::default()),
@@ -314,7 +313,7 @@ struct Spawner<H, T, C> {
 
 impl<H, T, C> SpawnWorker for Spawner<H, T, C>
 where
-    H: Handler<T>,
+    H: Handler<KafkaMessage, T>,
     T: Serialize + DeserializeOwned + Send + 'static,
     C: Codec,
 {

@@ -59,12 +59,12 @@ impl RunnerStats {
         self.received.load(Ordering::Relaxed)
     }
 
-    /// Records whose handler ran to completion here ([`Outcome::Executed`](idem_core::Outcome::Executed)).
+    /// Records whose handler ran to completion here ([`Outcome::Executed`](idem_executor::Outcome::Executed)).
     pub fn executed(&self) -> u64 {
         self.executed.load(Ordering::Relaxed)
     }
 
-    /// Duplicates answered from the store ([`Outcome::Replayed`](idem_core::Outcome::Replayed)).
+    /// Duplicates answered from the store ([`Outcome::Replayed`](idem_executor::Outcome::Replayed)).
     pub fn replayed(&self) -> u64 {
         self.replayed.load(Ordering::Relaxed)
     }

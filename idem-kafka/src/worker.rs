@@ -1,10 +1,9 @@
 //! One partition's worker: takes its records in offset order and resolves them one at a time.
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use idem_core::executor::{BrokerAction, Codec, Executor, ExecutorError, Outcome};
+use idem_executor::{BrokerAction, Codec, ExecutorError, Handler, Outcome};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{Semaphore, mpsc};
@@ -12,16 +11,16 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::dead_letter::{self, DeadLetterInfo, DeadLetterProducer};
+use crate::execute::{Execution, Step};
 use crate::flow::Flow;
-use crate::handler::Handler;
 use crate::message::KafkaMessage;
 use crate::options::RunnerOptions;
 use crate::stats::{RunnerStats, metric_names as m};
 
 /// Everything a worker shares with the other workers of its runner.
 pub(crate) struct Common<H, C> {
-    pub(crate) executor: Executor<C>,
-    pub(crate) handler: Arc<H>,
+    /// The executor and the handler: every executor call goes through it.
+    pub(crate) execution: Execution<H, C>,
     pub(crate) dead_letter: Arc<DeadLetterProducer>,
     pub(crate) in_flight: Arc<Semaphore>,
     pub(crate) options: Arc<RunnerOptions>,
@@ -33,8 +32,7 @@ pub(crate) struct Common<H, C> {
 impl<H, C> Clone for Common<H, C> {
     fn clone(&self) -> Self {
         Self {
-            executor: self.executor.clone(),
-            handler: Arc::clone(&self.handler),
+            execution: self.execution.clone(),
             dead_letter: Arc::clone(&self.dead_letter),
             in_flight: Arc::clone(&self.in_flight),
             options: Arc::clone(&self.options),
@@ -49,7 +47,7 @@ pub(crate) struct Worker<H, T, C> {
     pub(crate) flow: Arc<Mutex<Flow>>,
     pub(crate) records: mpsc::UnboundedReceiver<KafkaMessage>,
     /// Cancelled when the partition is revoked (or the drain timed out): the record in process
-    /// gets the revoke timeout to finish (see [`Worker::run_once`]), nothing more starts.
+    /// gets the revoke timeout to finish (see [`Execution::try_once`]), nothing more starts.
     pub(crate) revoke: CancellationToken,
     /// Dropped when the worker ends; the poll thread waits on it.
     pub(crate) _exited: std::sync::mpsc::Sender<()>,
@@ -70,18 +68,9 @@ enum Next {
     Abandoned,
 }
 
-/// How one executor call ended, as the worker sees it.
-enum Step<T> {
-    Done(Result<Outcome<T>, ExecutorError>),
-    /// The partition was revoked and the call dropped: before the handler started (the lease
-    /// was released, or its release tried), or past the revoke timeout (the lease is left to
-    /// expire).
-    Revoked,
-}
-
 impl<H, T, C> Worker<H, T, C>
 where
-    H: Handler<T>,
+    H: Handler<KafkaMessage, T>,
     T: Serialize + DeserializeOwned + Send + 'static,
     C: Codec,
 {
@@ -127,12 +116,14 @@ where
                     Err(_) => return Next::Abandoned,
                 },
             };
-            let attempt = Arc::new(AtomicU32::new(0));
-            let step = self.run_once(msg, Arc::clone(&attempt)).await;
+            let step = common
+                .execution
+                .try_once(msg, &self.revoke, &common.options, &common.stats)
+                .await;
             drop(permit);
-            let result = match step {
+            let (result, attempt) = match step {
                 Step::Revoked => return Next::Abandoned,
-                Step::Done(result) => result,
+                Step::Done { result, attempt } => (result, attempt),
             };
             let revoked = self.revoke.is_cancelled();
             let delay = match BrokerAction::of(&result) {
@@ -152,9 +143,8 @@ where
                     return if revoked { Next::Stop } else { Next::Continue };
                 }
                 _ if revoked => return Next::Abandoned,
-                BrokerAction::DeadLetter { reason } => {
-                    let info =
-                        dead_letter::classify(&result, reason, attempt.load(Ordering::Relaxed));
+                BrokerAction::DeadLetter { reason, error } => {
+                    let info = dead_letter::classify(&result, reason, error, attempt);
                     drop(result);
                     // The outcome is final: only the dead-letter write is tried again, never the
                     // executor call (which, for an un-deduplicated record, would run the handler
@@ -212,100 +202,13 @@ where
         slept
     }
 
-    /// One executor call, with the handler wrapped for revocations:
-    ///
-    /// - revoked before the handler was called: the lease is released (no attempt counted) and
-    ///   the call abandoned, so the next owner acquires the key at once;
-    /// - revoked while the handler runs: it is let finish for half the revoke timeout, then
-    ///   signalled through [`HandlerContext::cancellation_token`](idem_core::executor::HandlerContext::cancellation_token)
-    ///   (the executor then takes its result if it returns at once, else drops it and records
-    ///   nothing). A result is recorded and resolved as usual. The lease is **never** released
-    ///   once the handler started: if the call still has to be dropped, the lease expires and the
-    ///   next owner sees a takeover and the next attempt number.
-    async fn run_once(&self, msg: &KafkaMessage, attempt: Arc<AtomicU32>) -> Step<T> {
-        let common = &self.common;
-        let released = CancellationToken::new();
-        let handler = Arc::clone(&common.handler);
-        let store = common.executor.store().clone();
-        let revoke = self.revoke.clone();
-        let release_timeout = common.options.release_timeout;
-        let revoke_timeout = common.options.revoke_timeout;
-        let stats = Arc::clone(&common.stats);
-        let record = msg.clone();
-        let signal = released.clone();
-        let call = common.executor.run(msg, move |ctx| async move {
-            attempt.store(ctx.attempt(), Ordering::Relaxed);
-            if !revoke.is_cancelled() {
-                let cancel = ctx.cancellation_token().clone();
-                let mut run = std::pin::pin!(handler.call(record, ctx));
-                tokio::select! {
-                    biased;
-                    result = &mut run => return result,
-                    () = revoke.cancelled() => {}
-                }
-                // Revoked while it runs: let it finish, then ask it to stop. Never release.
-                if let Ok(result) = tokio::time::timeout(revoke_timeout / 2, &mut run).await {
-                    return result;
-                }
-                tracing::warn!(
-                    "partition revoked: the handler is still running; signalling its cancellation token"
-                );
-                cancel.cancel();
-                return run.await;
-            }
-            // Revoked before the handler was called: give the key back without counting an
-            // attempt, then never return, so the executor records nothing (the caller drops this
-            // call).
-            if let Some(lease) = ctx.lease().cloned() {
-                match tokio::time::timeout(release_timeout, store.release(&lease)).await {
-                    Ok(Ok(())) => {
-                        RunnerStats::count(&stats.released, m::RELEASED);
-                        tracing::info!(key = %lease.key, token = %lease.token, "partition revoked before the handler started: lease released");
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!(key = %lease.key, error = %e, "partition revoked: lease release failed; the key stays held until its lease expires");
-                    }
-                    Err(_) => {
-                        tracing::warn!(key = %lease.key, "partition revoked: lease release timed out; the key stays held until its lease expires");
-                    }
-                }
-            }
-            signal.cancel();
-            std::future::pending().await
-        });
-        // Once revoked, the call gets most of the revoke timeout (the revocation waits for the
-        // worker that long), then it is dropped and its lease left to expire.
-        let revoke = self.revoke.clone();
-        let deadline = async move {
-            revoke.cancelled().await;
-            tokio::time::sleep(revoke_timeout.mul_f64(0.9)).await;
-        };
-        tokio::select! {
-            biased;
-            result = call => Step::Done(result),
-            () = released.cancelled() => Step::Revoked,
-            () = deadline => {
-                tracing::warn!(
-                    "partition revoked: the record's executor call did not end in time and is dropped; its lease (not released) expires and the next owner takes it over"
-                );
-                Step::Revoked
-            }
-        }
-    }
-
     /// Writes the record to the dead-letter topic; on success it is resolved.
     async fn dead_letter(&self, msg: &KafkaMessage, info: &DeadLetterInfo) -> Result<(), ()> {
         let common = &self.common;
-        let key_id = common
-            .executor
-            .config()
-            .key_source
-            .extract(msg)
-            .ok()
-            .flatten();
+        let key_id = common.execution.key_id(msg);
         let attempts = match info.attempts {
             Some(n) => Some(n),
-            None => self.stored_attempts(key_id.as_deref()).await,
+            None => common.execution.stored_attempts(key_id.as_deref()).await,
         };
         let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
         let sent = tokio::select! {
@@ -332,16 +235,6 @@ where
                 tracing::error!(error = %e, "dead-letter write failed; pausing the partition and trying again");
                 Err(())
             }
-        }
-    }
-
-    /// The attempt count the store holds for the key (best effort, for the dead-letter header).
-    async fn stored_attempts(&self, key_id: Option<&str>) -> Option<u32> {
-        let executor = &self.common.executor;
-        let key = executor.namespace().key(key_id?).ok()?;
-        match executor.store().get(&key).await {
-            Ok(Some(record)) => Some(record.attempts),
-            _ => None,
         }
     }
 

@@ -16,7 +16,12 @@
 //! script holding the store's own statement texts ([`PostgresStore::statement_sql`]), the
 //! acquire's `$n` parameters replaced by pgbench variables, a random key per transaction, and the
 //! acquire's token passed to the complete with `\gset`. It prints both rates and their ratio.
-//! Nothing is asserted: the numbers depend on the machine.
+//!
+//! Then, in the same run, the transactional path beside the plain one, each message writing one
+//! ledger row as its effect: `acquire` + `complete_with` (the INSERT committed with the
+//! completion, one transaction) against `acquire` + the INSERT on its own + `complete` (the
+//! effect written outside the completion, as a plain executor does), and the plain `acquire` +
+//! `complete` with no effect. Nothing is asserted: the numbers depend on the machine.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -24,8 +29,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use idem_core::{AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace};
-use idem_postgres::{PostgresConfig, PostgresStore, Transition};
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace,
+    TransactionalStore,
+};
+use idem_postgres::{PgWrites, PostgresConfig, PostgresStore, Transition};
 
 const CLIENTS: [usize; 2] = [1, 16];
 const LEASE: Duration = Duration::from_secs(30);
@@ -37,14 +45,39 @@ fn fingerprint() -> Fingerprint {
     Fingerprint::of("pg_bench payload")
 }
 
+/// How a message's effect (one ledger row) is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Effect {
+    /// No effect: acquire + complete.
+    None,
+    /// acquire + INSERT (its own transaction) + complete.
+    Outside,
+    /// acquire + complete_with(INSERT): one transaction.
+    Transactional,
+}
+
 /// Runs acquire+complete on fresh random keys from `clients` tasks for `secs`; returns msgs/s.
 async fn store_rate(store: &PostgresStore, ns: &Namespace, clients: usize, secs: Duration) -> f64 {
+    effect_rate(store, ns, clients, secs, Effect::None, "").await
+}
+
+/// Like [`store_rate`], each message also writing one row of `ledger` as `effect` says.
+async fn effect_rate(
+    store: &PostgresStore,
+    ns: &Namespace,
+    clients: usize,
+    secs: Duration,
+    effect: Effect,
+    ledger: &str,
+) -> f64 {
+    let insert = format!("INSERT INTO {ledger} (id, token) VALUES ($1, $2)");
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let tasks: Vec<_> = (0..clients)
         .map(|c| {
             let (store, ns, stop, done) = (store.clone(), ns.clone(), stop.clone(), done.clone());
+            let insert = insert.clone();
             tokio::spawn(async move {
                 let owner = format!("bench-{c}");
                 while !stop.load(Ordering::Relaxed) {
@@ -55,10 +88,26 @@ async fn store_rate(store: &PostgresStore, ns: &Namespace, clients: usize, secs:
                         .with_max_attempts(MAX_ATTEMPTS);
                     match store.acquire(&req).await.expect("acquire") {
                         AcquireOutcome::Acquired { lease, .. } => {
-                            store
-                                .complete(&lease, Bytes::from_static(RESULT), RETENTION)
-                                .await
-                                .expect("complete");
+                            let token = lease.token.get() as i64;
+                            let result = Bytes::from_static(RESULT);
+                            match effect {
+                                Effect::None => store.complete(&lease, result, RETENTION).await,
+                                Effect::Outside => {
+                                    let client = store.pool().get().await.expect("a connection");
+                                    client
+                                        .execute(insert.as_str(), &[&id, &token])
+                                        .await
+                                        .expect("the effect");
+                                    drop(client);
+                                    store.complete(&lease, result, RETENTION).await
+                                }
+                                Effect::Transactional => {
+                                    let writes = PgWrites::new()
+                                        .execute(insert.clone(), (id.clone(), token));
+                                    store.complete_with(&lease, result, RETENTION, writes).await
+                                }
+                            }
+                            .expect("complete");
                             done.fetch_add(1, Ordering::Relaxed);
                         }
                         other => panic!("a fresh random key gave {other:?}"),
@@ -268,6 +317,46 @@ fn main() {
         CLIENTS[last],
         if ratio >= 0.8 { "met" } else { "NOT met" }
     );
+
+    // The transactional path beside the plain one, same run, same store.
+    let ledger = format!("\"{schema}\".\"ledger\"");
+    runtime.block_on(async {
+        let client = store.pool().get().await.expect("a connection");
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE {ledger} (id text NOT NULL, token bigint NOT NULL)"
+            ))
+            .await
+            .expect("the ledger table");
+    });
+    println!();
+    println!("  one ledger row per message (msgs/s):");
+    println!("  clients   no effect   effect outside   transactional   transactional/outside");
+    for clients in CLIENTS {
+        let mut rates = Vec::new();
+        for effect in [Effect::None, Effect::Outside, Effect::Transactional] {
+            let ns = Namespace::new(format!("{effect:?}-{clients}").to_lowercase()).unwrap();
+            rates.push(runtime.block_on(async {
+                effect_rate(
+                    &store,
+                    &ns,
+                    clients,
+                    Duration::from_secs(1),
+                    effect,
+                    &ledger,
+                )
+                .await;
+                effect_rate(&store, &ns, clients, secs, effect, &ledger).await
+            }));
+        }
+        println!(
+            "  {clients:>7}   {:>9.0}   {:>14.0}   {:>13.0}   {:>21.2}",
+            rates[0],
+            rates[1],
+            rates[2],
+            rates[2] / rates[1]
+        );
+    }
 
     let _ = std::fs::remove_file(&script);
     runtime.block_on(async {

@@ -1,4 +1,6 @@
-//! The PostgreSQL store in a few lines: plain mode, then transactional mode.
+//! The PostgreSQL store in a few lines: plain mode, then the two transactional shapes: the
+//! handler's statements committed with the completion (`complete_with`), and the in-transaction
+//! mode (the handler runs inside the transaction).
 //!
 //! ```text
 //! scripts/services.sh postgres
@@ -7,8 +9,12 @@
 
 use std::time::Duration;
 
-use idem_core::{AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace};
-use idem_postgres::{HandlerError, PostgresConfig, PostgresStore, SweeperConfig, TxOutcome};
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace,
+    TransactionalStore,
+};
+use idem_executor::{ExecutorConfig, HandlerError, Outcome, RawMessage};
+use idem_postgres::{PgWrites, PostgresConfig, PostgresStore, SweeperConfig};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -38,7 +44,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     }
     println!("duplicate: {:?}", store.acquire(&req).await?);
 
-    // Transactional mode: the business insert and the completion commit together.
+    // The business table of both transactional shapes.
     let client = store.pool().get().await?;
     client
         .batch_execute(
@@ -47,10 +53,41 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         )
         .await?;
     drop(client);
-    let req = AcquireRequest::new(ns.key(format!("order-43-{run}"))?, "worker-1");
+
+    // `complete_with`: the handler's statements run in the completion's transaction, after it,
+    // in one round trip; a lost lease or a re-sent completion runs none of them.
+    let req = AcquireRequest::new(ns.key(format!("order-44-{run}"))?, "worker-1");
+    if let AcquireOutcome::Acquired { lease, .. } = store.acquire(&req).await? {
+        let writes = PgWrites::new().execute(
+            "INSERT INTO idem_example.ledger (entry, amount, fence) VALUES ($1, $2, $3)",
+            (lease.key.id().to_owned(), 990i64, lease.token.get() as i64),
+        );
+        store
+            .complete_with(
+                &lease,
+                Bytes::from_static(b"booked"),
+                retention,
+                writes.clone(),
+            )
+            .await?;
+        // Re-sent after a lost reply: Ok, and the insert does not run again.
+        store
+            .complete_with(&lease, Bytes::from_static(b"booked"), retention, writes)
+            .await?;
+    }
+    println!(
+        "complete_with: {:?}",
+        store.get(&req.key).await?.map(|r| r.state)
+    );
+
+    // In-transaction mode: the acquisition, the handler's statements and the completion in one
+    // transaction, driven by the executor's configuration, key source, codec and outcomes.
+    let payments = store.in_transaction(ExecutorConfig::new("example.ledger"))?;
+    let msg = RawMessage::new(r#"{"amount": 1250}"#)
+        .with_header("idempotency-key", format!("order-43-{run}"));
     for delivery in 1..=2 {
-        let outcome = store
-            .transactional(&req, retention, |tx, lease| {
+        let outcome = payments
+            .run(&msg, |tx, lease| {
                 Box::pin(async move {
                     tx.execute(
                         "INSERT INTO idem_example.ledger (entry, amount, fence) VALUES ($1, $2, $3)",
@@ -60,22 +97,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
                     if lease.key.id().is_empty() {
                         return Err(HandlerError::terminal("unreachable in this example"));
                     }
-                    Ok(Bytes::from_static(b"booked"))
+                    Ok(format!("booked under token {}", lease.token))
                 })
             })
             .await?;
         match outcome {
-            TxOutcome::Executed { result, lease } => {
-                println!(
-                    "delivery {delivery}: executed under token {} -> {result:?}",
-                    lease.token
-                )
-            }
-            TxOutcome::NotRun(other) => println!("delivery {delivery}: not run ({other:?})"),
-            other => println!("delivery {delivery}: {other:?}"),
+            Outcome::Executed(receipt) => println!("delivery {delivery}: executed: {receipt}"),
+            Outcome::Replayed(receipt) => println!("delivery {delivery}: replayed: {receipt}"),
+            other => println!("delivery {delivery}: {}", other.name()),
         }
     }
-    println!("record: {:?}", store.get(&req.key).await?.map(|r| r.state));
+    let key = payments
+        .executor()
+        .namespace()
+        .key(format!("order-43-{run}"))?;
+    println!("record: {:?}", store.get(&key).await?.map(|r| r.state));
     println!("swept {} expired records", sweeper.shutdown().await);
     Ok(())
 }

@@ -61,12 +61,12 @@ pub struct PostgresConfig {
     /// Bound on waiting for a free pooled connection. Default: 5 s.
     pub pool_wait_timeout: Duration,
     /// Server-side `statement_timeout` of every pooled connection (so it also applies to the
-    /// business statements of [transactional mode](crate::transactional)). The client also gives up
+    /// business statements of [in-transaction mode](crate::transactional)). The client also gives up
     /// on any of the store's own statements after this plus one second, dropping the connection,
     /// so a server that stopped answering cannot hang a caller. Default: 5 s.
     pub statement_timeout: Duration,
     /// How long an acquire waits on a row lock held by another open transaction (a holder in
-    /// transactional mode) before answering `InProgress` (and how long recording a failed
+    /// in-transaction mode) before answering `InProgress` (and how long recording a failed
     /// transactional attempt waits before reporting it as not recorded). Must be shorter than
     /// [`statement_timeout`](Self::statement_timeout), or the statement timeout would cut the
     /// wait first and the duplicate would get `Unavailable` instead of `InProgress`.

@@ -78,7 +78,7 @@ pub(crate) fn map_pg(e: tokio_postgres::Error) -> Error {
 /// column, or a table from before the latest schema version, is [`Error::NotSetUp`] naming the
 /// table and how to set it up; everything else as [`map_pg`].
 ///
-/// Only for the statements the store writes itself: a business statement of transactional mode
+/// Only for the statements the store writes itself: a business statement of in-transaction mode
 /// may miss a table of its own, which says nothing about the store's.
 pub(crate) fn map_store_pg(e: tokio_postgres::Error, names: &Names) -> Error {
     not_set_up(&e, names).unwrap_or_else(|| map_pg(e))

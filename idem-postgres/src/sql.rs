@@ -132,7 +132,7 @@ impl Sql {
         // the caller then runs the statement again (see `store.rs`).
         //
         // `set_config('lock_timeout', $7, true)` bounds the wait on a row locked by an open
-        // transaction (a holder in transactional mode); it is transaction-local, so in autocommit
+        // transaction (a holder in in-transaction mode); it is transaction-local, so in autocommit
         // it lasts for this statement only. `clk` is materialized and is the row source of the
         // INSERT, so it runs before any lock is requested.
         //

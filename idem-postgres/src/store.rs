@@ -27,7 +27,7 @@ use crate::sql::{Names, Sql, Stmt};
 pub(crate) const MAX_ROUNDS: u32 = 16;
 
 /// The owner reported in [`AcquireOutcome::InProgress`] when the key is held by a transaction that
-/// has not committed yet (a holder in transactional mode): its record is not visible, so its
+/// has not committed yet (a holder in in-transaction mode): its record is not visible, so its
 /// owner is not known.
 pub const UNCOMMITTED_OWNER: &str = "(uncommitted transaction)";
 
@@ -56,7 +56,7 @@ pub enum Transition {
 /// The idempotency store on PostgreSQL: one table, one statement per transition.
 ///
 /// Cheap to clone (the pool is shared). See the [crate docs](crate) for the table layout, the
-/// clock, the SQL of each transition and [transactional mode](crate::transactional).
+/// clock, the SQL of each transition and [in-transaction mode](crate::transactional).
 #[derive(Clone)]
 pub struct PostgresStore {
     pub(crate) inner: Arc<Inner>,
@@ -252,7 +252,7 @@ impl PostgresStore {
     }
 
     /// The connection pool, for running business statements on the same database (and for
-    /// [transactional mode](crate::transactional) with a transaction you open yourself).
+    /// [in-transaction mode](crate::transactional) with a transaction you open yourself).
     pub fn pool(&self) -> &Pool {
         &self.inner.pool
     }

@@ -95,7 +95,7 @@
 //! | the handler **panics** | caught; rolled back; recorded as a retryable failure (`handler panicked: ...`), as the executor does: a handler that always panics ends `Exhausted` after `max_attempts` | [`Outcome::Retry`] with `panicked: true`, then [`Outcome::Exhausted`] |
 //! | the handler outlasts `transaction_timeout` (it awaits something forever, or runs a slow statement) | its future is dropped, its running statement cancelled, the connection closed: rolled back; recorded as a retryable failure | [`Outcome::Retry`] / [`Outcome::Exhausted`] |
 //! | the transaction sits idle longer than `transaction_idle_timeout` | the server ends the session: rolled back, the key free at once; the handler's next statement fails | whatever the handler then returns (a `?` on that error: [`Outcome::Retry`]) |
-//! | the handler's value cannot be stored (over `max_result_len`, or it does not encode) | rolled back: the effect did not happen; recorded as a terminal failure | [`Outcome::NotCommitted`] with [`CommitRefusal::ResultNotStorable`](idem_executor::CommitRefusal::ResultNotStorable) |
+//! | the handler's value cannot be stored (over `max_result_len`, or it does not encode) | rolled back: the effect did not happen; recorded as a terminal failure | [`Outcome::NotCommitted`] with [`CommitRefusal::ResultNotStorable`] |
 //! | the server refuses the `COMMIT` (a deferred constraint of the business writes) | rolled back; recorded as a retryable failure | [`Outcome::Retry`] / [`Outcome::Exhausted`] |
 //! | between the rollback and the recording, another worker took or finished the key | its state stands, nothing recorded | [`Outcome::LeaseLost`] |
 //! | the process crashes, the connection is killed, or the future is dropped, anywhere before commit | PostgreSQL rolls everything back; the key is as it was; no attempt is counted (nothing survives to count it) | [`ExecutorError::Store`] if the call is still there to return |
@@ -127,7 +127,7 @@
 //! [`Executor::handle`](idem_executor::Executor::handle):
 //!
 //! ```no_run
-//! # use idem_executor::{BrokerAction, HandlerError, RawMessage};
+//! # use idem_executor::{BrokerAction, HandlerError, Message, RawMessage};
 //! # use idem_postgres::{InTransaction, TxHandler, tx_handler};
 //! async fn deliver<H: TxHandler<RawMessage, String>>(
 //!     mode: &InTransaction,
@@ -139,7 +139,8 @@
 //! # async fn demo(mode: InTransaction) {
 //! let handler = tx_handler(|msg: RawMessage, tx, lease| {
 //!     Box::pin(async move {
-//!         tx.execute("INSERT INTO inbox (id, body) VALUES ($1, $2)", &[&lease.key.id(), &&msg.payload()[..]])
+//!         let body: &[u8] = msg.payload();
+//!         tx.execute("INSERT INTO inbox (id, body) VALUES ($1, $2)", &[&lease.key.id(), &body])
 //!             .await?;
 //!         Ok::<_, HandlerError>(String::from("stored"))
 //!     })
@@ -386,8 +387,10 @@ impl<C: Codec> InTransaction<C> {
         T: Serialize + DeserializeOwned + Send,
     {
         let prepared = self.prepare(&msg);
-        self.process(prepared, None, move |tx, lease| handler.call(msg, tx, lease))
-            .await
+        self.process(prepared, None, move |tx, lease| {
+            handler.call(msg, tx, lease)
+        })
+        .await
     }
 
     /// Like [`run`](Self::run) for a caller that extracted the key id and computed the
@@ -586,7 +589,10 @@ impl<C: Codec> InTransaction<C> {
                     // The server refused the commit (a deferred constraint of the business
                     // writes, say) and rolled back: the attempt counts like a handler error.
                     Err(e) => (
-                        Failure::new(format!("the commit was refused: {e}"), FailureKind::Retryable),
+                        Failure::new(
+                            format!("the commit was refused: {e}"),
+                            FailureKind::Retryable,
+                        ),
                         false,
                     ),
                 }

@@ -19,12 +19,14 @@ fn ns() -> Namespace {
     Namespace::new(format!("cw-{:08x}", rand::random::<u32>())).unwrap()
 }
 
-/// A business table of its own in this run's schema: `ledger (entry text PRIMARY KEY, amount
-/// bigint CHECK (amount <> 0), account text REFERENCES accounts)`, and `accounts (id text PRIMARY
-/// KEY, balance bigint)` holding `alice` with 100.
+/// Business tables of their own in this run's schema: `ledger (entry text PRIMARY KEY, amount
+/// bigint CHECK (amount <> 0), account text REFERENCES accounts)`, `accounts (id text PRIMARY
+/// KEY, balance bigint)` holding `alice` with 100, and `events (token bigint)`, deliberately
+/// without any constraint, so that a statement run twice shows instead of being refused.
 struct Tables {
     ledger: String,
     accounts: String,
+    events: String,
 }
 
 async fn tables(admin: &tokio_postgres::Client) -> Tables {
@@ -32,16 +34,22 @@ async fn tables(admin: &tokio_postgres::Client) -> Tables {
     let schema = common::run_schema();
     let accounts = format!("\"{schema}\".\"accounts_{suffix}\"");
     let ledger = format!("\"{schema}\".\"ledger_{suffix}\"");
+    let events = format!("\"{schema}\".\"events_{suffix}\"");
     admin
         .batch_execute(&format!(
             "CREATE TABLE {accounts} (id text PRIMARY KEY, balance bigint NOT NULL);
              INSERT INTO {accounts} VALUES ('alice', 100);
              CREATE TABLE {ledger} (entry text PRIMARY KEY, amount bigint NOT NULL \
-                CHECK (amount <> 0), account text REFERENCES {accounts} (id), token bigint);"
+                CHECK (amount <> 0), account text REFERENCES {accounts} (id), token bigint);
+             CREATE TABLE {events} (token bigint);"
         ))
         .await
         .unwrap();
-    Tables { ledger, accounts }
+    Tables {
+        ledger,
+        accounts,
+        events,
+    }
 }
 
 impl Tables {
@@ -50,6 +58,22 @@ impl Tables {
             "INSERT INTO {} (entry, amount, account, token) VALUES ($1, $2, $3, $4)",
             self.ledger
         )
+    }
+
+    /// An unconditional append to `events`.
+    fn event(&self, token: i64) -> PgWrites {
+        PgWrites::new().execute(
+            format!("INSERT INTO {} (token) VALUES ($1)", self.events),
+            [token],
+        )
+    }
+
+    async fn events(&self, admin: &tokio_postgres::Client) -> i64 {
+        admin
+            .query_one(&format!("SELECT count(*) FROM {}", self.events), &[])
+            .await
+            .unwrap()
+            .get(0)
     }
 
     fn debit(&self) -> String {
@@ -117,9 +141,13 @@ async fn statements_commit_with_the_completion_and_a_resend_applies_nothing_agai
     let t = tables(&admin).await;
     let lease = acquire(&store, &AcquireRequest::new(ns().key("pay").unwrap(), "w")).await;
     let token = lease.token.get() as i64;
-    let writes = PgWrites::new()
+    let writes = t
+        .event(token)
         .execute(t.insert(), ("e1", 10i64, "alice", token))
-        .execute(t.insert(), vec![param("e2"), param(20i64), param("alice"), param(token)]);
+        .execute(
+            t.insert(),
+            vec![param("e2"), param(20i64), param("alice"), param(token)],
+        );
     store
         .complete_with(&lease, Bytes::from_static(b"ok"), RETENTION, writes.clone())
         .await
@@ -133,17 +161,29 @@ async fn statements_commit_with_the_completion_and_a_resend_applies_nothing_agai
         }
     );
 
-    // The same completion re-sent (a lost reply): Ok, and the statements do not run again
-    // (they would fail on the primary key if they did).
+    assert_eq!(t.events(&admin).await, 1);
+
+    // The same completion re-sent (a lost reply): Ok, and the statements do not run again.
+    store
+        .complete_with(&lease, Bytes::from_static(b"ok"), RETENTION, t.event(token))
+        .await
+        .unwrap();
+    assert_eq!(t.events(&admin).await, 1);
     store
         .complete_with(&lease, Bytes::from_static(b"ok"), RETENTION, writes.clone())
         .await
         .unwrap();
     assert_eq!(t.entries(&admin).await, ["e1", "e2"]);
+    assert_eq!(t.events(&admin).await, 1);
 
     // Other result bytes: refused, and still nothing run.
     let r = store
-        .complete_with(&lease, Bytes::from_static(b"other"), RETENTION, writes)
+        .complete_with(
+            &lease,
+            Bytes::from_static(b"other"),
+            RETENTION,
+            t.event(token),
+        )
         .await;
     assert!(
         matches!(
@@ -158,6 +198,7 @@ async fn statements_commit_with_the_completion_and_a_resend_applies_nothing_agai
         "{r:?}"
     );
     assert_eq!(t.entries(&admin).await, ["e1", "e2"]);
+    assert_eq!(t.events(&admin).await, 1);
 }
 
 #[tokio::test]
@@ -175,18 +216,21 @@ async fn a_zombie_writes_nothing() {
     .await;
     tokio::time::sleep(Duration::from_millis(80)).await;
     let holder = acquire(&store, &AcquireRequest::new(key, "b")).await;
-    let r = store
-        .complete_with(
-            &zombie,
-            Bytes::from_static(b"z"),
-            RETENTION,
-            debit(&t, "zombie", 10, zombie.token.get() as i64),
-        )
-        .await;
-    assert!(
-        matches!(&r, Err(Error::LeaseLost { why: LostLease::Superseded { current }, .. }) if *current == holder.token),
-        "{r:?}"
-    );
+    // Unconditional writes (their COMMIT is pipelined) and conditional ones (COMMIT after the
+    // counts are read): refused either way.
+    for writes in [
+        t.event(zombie.token.get() as i64),
+        debit(&t, "zombie", 10, zombie.token.get() as i64),
+    ] {
+        let r = store
+            .complete_with(&zombie, Bytes::from_static(b"z"), RETENTION, writes)
+            .await;
+        assert!(
+            matches!(&r, Err(Error::LeaseLost { why: LostLease::Superseded { current }, .. }) if *current == holder.token),
+            "{r:?}"
+        );
+    }
+    assert_eq!(t.events(&admin).await, 0);
     assert_eq!(t.entries(&admin).await, Vec::<String>::new());
     assert_eq!(t.balance(&admin).await, 100);
     in_progress(&store, &holder).await;
@@ -492,7 +536,7 @@ async fn concurrent_resends_apply_once() {
     let admin = common::admin().await;
     let t = tables(&admin).await;
     let lease = acquire(&store, &AcquireRequest::new(ns().key("c").unwrap(), "w")).await;
-    let writes = debit(&t, "once", 10, lease.token.get() as i64);
+    let writes = t.event(lease.token.get() as i64);
     let store = Arc::new(store);
     let sends: Vec<_> = (0..8)
         .map(|_| {
@@ -507,8 +551,7 @@ async fn concurrent_resends_apply_once() {
     for s in sends {
         s.await.unwrap().unwrap();
     }
-    assert_eq!(t.entries(&admin).await, ["once"]);
-    assert_eq!(t.balance(&admin).await, 90);
+    assert_eq!(t.events(&admin).await, 1);
 }
 
 /// Sends one `complete_with` of `writes` on a fresh key; returns the requests and flights it

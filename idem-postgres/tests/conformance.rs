@@ -110,7 +110,7 @@ mod transactional {
     }
 
     #[tokio::test]
-    async fn c25_transactional_effects() {
+    async fn c25_transactional_effects_system_clock() {
         let Some(store) = common::store().await else {
             return;
         };

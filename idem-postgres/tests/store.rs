@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::proxy::{Counts, Proxy};
 use idem_core::{
     AcquireOutcome, AcquireRequest, Bytes, Error, FailureKind, Fingerprint, IdempotencyStore,
-    LostLease, Namespace, RecordState, StateKind,
+    LostLease, Namespace, RecordState, StateKind, TransactionalStore,
 };
 use idem_postgres::{PostgresConfig, PostgresStore, SweeperConfig, Transition, ddl};
 
@@ -858,12 +858,37 @@ async fn unmigrated_database_is_not_set_up() {
         store.extend(&lease, Duration::from_secs(1)).await,
         &table,
     );
-    let r = store
-        .transactional(&req, RETENTION, |_, _| {
+    assert_not_set_up(
+        "complete_with",
+        store
+            .complete_with(
+                &lease,
+                Bytes::from_static(b"r"),
+                RETENTION,
+                idem_postgres::PgWrites::new().execute("SELECT 1", ()),
+            )
+            .await,
+        &table,
+    );
+    let mode = store
+        .in_transaction(idem_executor::ExecutorConfig::new("unmigrated"))
+        .unwrap();
+    let r = mode
+        .run_with_key::<(), _>("k", None, |_, _| {
             Box::pin(async { panic!("the handler must not run") })
         })
         .await;
-    assert_not_set_up("transactional", r, &table);
+    match r {
+        Err(idem_executor::ExecutorError::Store {
+            stage: idem_executor::StoreStage::Acquire,
+            handler_ran: false,
+            source,
+            ..
+        }) => {
+            assert_not_set_up("in-transaction mode", Err::<(), _>(source), &table);
+        }
+        other => panic!("in-transaction mode: expected a store error at acquire, got {other:?}"),
+    }
 
     // The schema exists, the table does not.
     admin

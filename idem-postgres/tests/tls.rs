@@ -5,8 +5,8 @@ mod common;
 
 use std::sync::Arc;
 
-use idem_core::{AcquireOutcome, AcquireRequest, Bytes, Error, IdempotencyStore, Namespace};
-use idem_postgres::TxOutcome;
+use idem_core::{AcquireOutcome, AcquireRequest, Error, IdempotencyStore, Namespace};
+use idem_executor::{ExecutorConfig, Outcome};
 use idem_postgres::tokio_postgres::config::SslMode;
 use rustls::DigitallySignedStruct;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -94,8 +94,10 @@ async fn connects_over_tls_when_required() {
         println!("server has ssl = {server_ssl}: checked that require refuses plaintext");
         return;
     }
-    let outcome = store
-        .transactional(&req, std::time::Duration::from_secs(60), |tx, _| {
+    // In-transaction mode on the same encrypted connection.
+    let mode = store.in_transaction(ExecutorConfig::new("tls")).unwrap();
+    let outcome = mode
+        .run_with_key(req.key.id(), None, |tx, _| {
             Box::pin(async move {
                 let row = tx
                     .query_one(
@@ -103,13 +105,13 @@ async fn connects_over_tls_when_required() {
                         &[],
                     )
                     .await?;
-                Ok(Bytes::from(row.get::<_, bool>(0).to_string()))
+                Ok(row.get::<_, bool>(0))
             })
         })
         .await
         .unwrap();
     assert!(
-        matches!(&outcome, TxOutcome::Executed { result, .. } if result == "true"),
+        matches!(outcome, Outcome::Executed(true)),
         "the connection must be encrypted: {outcome:?}"
     );
     assert!(matches!(

@@ -1,4 +1,5 @@
-//! Transactional mode: business writes and the idempotency record commit or roll back together.
+//! In-transaction mode: business writes and the idempotency record commit or roll back together,
+//! driven by the executor's types (`HandlerError`, `Outcome`, codec, key source, fingerprint).
 
 mod common;
 
@@ -7,17 +8,36 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Error, FailureKind, IdempotencyStore, Namespace,
-    RecordState,
+    AcquireOutcome, AcquireRequest, FailureKind, IdempotencyKey, IdempotencyStore, RecordState,
 };
-use idem_postgres::{HandlerError, PostgresStore, TxOutcome, UNCOMMITTED_OWNER};
+use idem_executor::{
+    BrokerAction, CommitRefusal, DeadLetterReason, ExecutorConfig, ExecutorError, HandlerError,
+    Message, Outcome, RawMessage, StoreStage,
+};
+use idem_postgres::{InTransaction, PostgresConfig, PostgresStore, UNCOMMITTED_OWNER, tx_handler};
 use rand::seq::SliceRandom;
 use tokio::sync::oneshot;
 
-const RETENTION: Duration = Duration::from_secs(3600);
+fn namespace() -> String {
+    format!("tx-{:08x}", rand::random::<u32>())
+}
 
-fn ns() -> Namespace {
-    Namespace::new(format!("tx-{:08x}", rand::random::<u32>())).unwrap()
+fn msg(id: &str) -> RawMessage {
+    RawMessage::new(r#"{"amount": 1250}"#).with_header("idempotency-key", id.to_owned())
+}
+
+/// The in-transaction mode over `store` with a fresh namespace, configured by `configure`.
+fn mode(
+    store: &PostgresStore,
+    configure: impl FnOnce(ExecutorConfig) -> ExecutorConfig,
+) -> InTransaction {
+    store
+        .in_transaction(configure(ExecutorConfig::new(namespace())))
+        .unwrap()
+}
+
+fn key(mode: &InTransaction, id: &str) -> IdempotencyKey {
+    mode.executor().namespace().key(id).unwrap()
 }
 
 /// A business table of its own in this run's schema: one row per effect, deliberately without a
@@ -56,50 +76,116 @@ async fn executed_commits_business_writes_with_the_completion() {
     };
     let admin = common::admin().await;
     let effects = effects_table(&admin).await;
-    let key = ns().key("m1").unwrap();
-    let req = AcquireRequest::new(key.clone(), "w1");
+    let mode = mode(&store, |c| c);
 
     let sql = format!("INSERT INTO {effects} (msg, token) VALUES ($1, $2)");
-    let outcome = store
-        .transactional(&req, RETENTION, |tx, lease| {
+    let outcome = mode
+        .run(&msg("m1"), |tx, lease| {
             let sql = sql.clone();
             Box::pin(async move {
                 tx.execute(&sql, &[&lease.key.id(), &(lease.token.get() as i64)])
                     .await?;
-                Ok(Bytes::from_static(b"paid"))
+                Ok(format!("paid at attempt {}", lease.attempt))
             })
         })
         .await
         .unwrap();
-    let TxOutcome::Executed { result, lease } = outcome else {
-        panic!("expected Executed, got {outcome:?}");
-    };
-    assert_eq!(result, Bytes::from_static(b"paid"));
-    assert_eq!(lease.attempt, 1);
+    assert!(
+        matches!(&outcome, Outcome::Executed(v) if v == "paid at attempt 1"),
+        "{outcome:?}"
+    );
     assert_eq!(effect_count(&admin, &effects, "m1").await, 1);
-    let record = store.get(&key).await.unwrap().unwrap();
+    let record = store.get(&key(&mode, "m1")).await.unwrap().unwrap();
+    // Stored through the executor's codec (JSON).
     assert_eq!(
         record.state,
         RecordState::Completed {
-            result: Bytes::from_static(b"paid")
+            result: "\"paid at attempt 1\"".into()
         }
     );
-    assert_eq!(record.token, lease.token);
 
-    // A duplicate is replayed without running the handler.
-    let outcome = store
-        .transactional(&req, RETENTION, |_, _| {
+    // A duplicate is replayed, decoded, without running the handler.
+    let outcome = mode
+        .run::<_, String, _>(&msg("m1"), |_, _| {
             Box::pin(async { panic!("the handler must not run for a duplicate") })
         })
         .await
         .unwrap();
-    assert_eq!(
-        outcome,
-        TxOutcome::NotRun(AcquireOutcome::Replayed {
-            result: Bytes::from_static(b"paid")
-        })
+    assert!(
+        matches!(&outcome, Outcome::Replayed(v) if v == "paid at attempt 1"),
+        "{outcome:?}"
     );
+    assert_eq!(BrokerAction::of(&Ok(outcome)), BrokerAction::Ack);
     assert_eq!(effect_count(&admin, &effects, "m1").await, 1);
+}
+
+/// Keys and fingerprints come from the message as the executor's configuration says.
+#[tokio::test]
+async fn keys_and_fingerprints_come_from_the_message() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let mode = mode(&store, |c| c);
+    let outcome = mode
+        .run(&msg("k"), |_, _| Box::pin(async { Ok(1u32) }))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Executed(1)), "{outcome:?}");
+    // Same key, another payload: the sender reused a key for a different request.
+    let other = RawMessage::new(r#"{"amount": 9}"#).with_header("idempotency-key", "k");
+    let outcome = mode
+        .run(&other, |_, _| Box::pin(async { Ok(2u32) }))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Conflict), "{outcome:?}");
+    // No key (header names are case-sensitive): rejected, nothing run.
+    let unkeyed = RawMessage::new("{}").with_header("Idempotency-Key", "k");
+    let r = mode
+        .run::<_, (), _>(&unkeyed, |_, _| Box::pin(async { panic!("must not run") }))
+        .await;
+    assert!(matches!(r, Err(ExecutorError::MissingKey)), "{r:?}");
+    assert!(matches!(
+        BrokerAction::of(&r),
+        BrokerAction::DeadLetter {
+            reason: DeadLetterReason::MissingKey,
+            ..
+        }
+    ));
+}
+
+/// The runner's entry point: a registered handler, message in, outcome out.
+#[tokio::test]
+async fn handle_runs_a_registered_handler_with_the_message() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let effects = effects_table(&admin).await;
+    let mode = mode(&store, |c| c);
+    let insert = Arc::new(format!(
+        "INSERT INTO {effects} (msg, token) VALUES ($1, $2)"
+    ));
+    let handler = tx_handler(move |msg: RawMessage, tx, lease| {
+        let insert = insert.clone();
+        Box::pin(async move {
+            let body = String::from_utf8(msg.payload().to_vec()).map_err(HandlerError::terminal)?;
+            tx.execute(&*insert, &[&body, &(lease.token.get() as i64)])
+                .await?;
+            Ok::<_, HandlerError>(body.len())
+        })
+    });
+    for delivery in 1..=2 {
+        let result = mode.handle(msg("h"), &handler).await;
+        match (delivery, &result) {
+            (1, Ok(Outcome::Executed(16))) | (2, Ok(Outcome::Replayed(16))) => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(BrokerAction::of(&result), BrokerAction::Ack);
+    }
+    assert_eq!(
+        effect_count(&admin, &effects, r#"{"amount": 1250}"#).await,
+        1
+    );
 }
 
 #[tokio::test]
@@ -109,60 +195,68 @@ async fn handler_error_rolls_back_business_writes_but_counts_the_attempt() {
     };
     let admin = common::admin().await;
     let effects = effects_table(&admin).await;
-    let key = ns().key("poison").unwrap();
-    let req = AcquireRequest::new(key.clone(), "w1").with_max_attempts(2);
+    let mode = mode(&store, |c| c.with_max_attempts(2));
     let sql = format!("INSERT INTO {effects} (msg, token) VALUES ($1, $2)");
 
     for attempt in 1..=2u32 {
         let sql = sql.clone();
-        let outcome = store
-            .transactional(&req, RETENTION, move |tx, lease| {
+        let outcome = mode
+            .run(&msg("poison"), move |tx, lease| {
                 Box::pin(async move {
                     assert_eq!(lease.attempt, attempt);
                     tx.execute(&sql, &[&lease.key.id(), &(lease.token.get() as i64)])
                         .await?;
-                    Err(HandlerError::retryable(format!(
+                    Err::<(), _>(HandlerError::retryable(format!(
                         "downstream said no ({attempt})"
                     )))
                 })
             })
             .await
             .unwrap();
-        assert_eq!(
-            outcome,
-            TxOutcome::HandlerFailed {
-                error: format!("downstream said no ({attempt})"),
-                retryable: true,
-                recorded: true
-            }
-        );
+        let error = format!("downstream said no ({attempt})");
+        match (attempt, &outcome) {
+            (
+                1,
+                Outcome::Retry {
+                    attempt: 1,
+                    error: e,
+                    panicked: false,
+                    ..
+                },
+            ) if *e == error => {}
+            (
+                2,
+                Outcome::Exhausted {
+                    attempts: 2,
+                    last_error: Some(e),
+                },
+            ) if *e == error => {}
+            other => panic!("{other:?}"),
+        }
         assert_eq!(
             effect_count(&admin, &effects, "poison").await,
             0,
             "rolled back"
         );
-        let record = store.get(&key).await.unwrap().unwrap();
+        let record = store.get(&key(&mode, "poison")).await.unwrap().unwrap();
         assert_eq!(record.attempts, attempt);
         assert_eq!(
             record.state,
             RecordState::Failed {
-                error: format!("downstream said no ({attempt})"),
+                error,
                 kind: FailureKind::Retryable
             }
         );
     }
-    let outcome = store
-        .transactional(&req, RETENTION, |_, _| {
+    let outcome = mode
+        .run(&msg("poison"), |_, _| {
             Box::pin(async { panic!("an exhausted key must not run") })
         })
         .await
         .unwrap();
-    assert_eq!(
-        outcome,
-        TxOutcome::NotRun(AcquireOutcome::Exhausted {
-            attempts: 2,
-            last_error: Some("downstream said no (2)".into())
-        })
+    assert!(
+        matches!(&outcome, Outcome::<()>::Exhausted { attempts: 2, last_error: Some(e) } if e == "downstream said no (2)"),
+        "{outcome:?}"
     );
 }
 
@@ -171,41 +265,153 @@ async fn terminal_handler_error_is_replayed() {
     let Some(store) = common::store().await else {
         return;
     };
-    let key = ns().key("bad-request").unwrap();
-    let req = AcquireRequest::new(key.clone(), "w1");
-    let outcome = store
-        .transactional(&req, RETENTION, |_, _| {
-            Box::pin(async { Err(HandlerError::terminal("invalid amount")) })
+    let mode = mode(&store, |c| c);
+    let outcome = mode
+        .run(&msg("bad-request"), |_, _| {
+            Box::pin(async { Err::<(), _>(HandlerError::terminal("invalid amount")) })
         })
         .await
         .unwrap();
     assert!(
-        matches!(
-            outcome,
-            TxOutcome::HandlerFailed {
-                retryable: false,
-                recorded: true,
-                ..
-            }
-        ),
+        matches!(&outcome, Outcome::Failed { error } if error == "invalid amount"),
         "{outcome:?}"
     );
-    let outcome = store
-        .transactional(&req, RETENTION, |_, _| {
+    let result = mode
+        .run(&msg("bad-request"), |_, _| {
             Box::pin(async { panic!("never re-run") })
+        })
+        .await;
+    assert!(
+        matches!(&result, Ok(Outcome::<()>::Failed { error }) if error == "invalid amount"),
+        "{result:?}"
+    );
+    assert!(matches!(
+        BrokerAction::of(&result),
+        BrokerAction::DeadLetter {
+            reason: DeadLetterReason::Failed,
+            ..
+        }
+    ));
+}
+
+/// Issue 19 item 4: a panic is caught, rolled back and recorded as a retryable failure, as the
+/// executor does; a handler that always panics ends `Exhausted` after `max_attempts`.
+#[tokio::test]
+async fn a_handler_that_always_panics_ends_exhausted() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let effects = effects_table(&admin).await;
+    let mode = mode(&store, |c| c.with_max_attempts(3));
+    let sql = format!("INSERT INTO {effects} (msg, token) VALUES ($1, $2)");
+    for attempt in 1..=3u32 {
+        let sql = sql.clone();
+        let outcome = mode
+            .run(&msg("boom"), move |tx, lease| {
+                Box::pin(async move {
+                    tx.execute(&sql, &[&lease.key.id(), &(lease.token.get() as i64)])
+                        .await?;
+                    if lease.attempt > 0 {
+                        panic!("boom at attempt {}", lease.attempt);
+                    }
+                    Ok(())
+                })
+            })
+            .await
+            .unwrap();
+        let error = format!("handler panicked: boom at attempt {attempt}");
+        match (attempt, &outcome) {
+            (
+                1 | 2,
+                Outcome::Retry {
+                    attempt: a,
+                    error: e,
+                    panicked: true,
+                    ..
+                },
+            ) if *a == attempt && *e == error => {}
+            (
+                3,
+                Outcome::Exhausted {
+                    attempts: 3,
+                    last_error: Some(e),
+                },
+            ) if *e == error => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            effect_count(&admin, &effects, "boom").await,
+            0,
+            "rolled back"
+        );
+    }
+    let result = mode
+        .run(&msg("boom"), |_, _| {
+            Box::pin(async { panic!("must not run") })
+        })
+        .await;
+    assert!(
+        matches!(&result, Ok(Outcome::<()>::Exhausted { attempts: 3, .. })),
+        "{result:?}"
+    );
+    assert!(matches!(
+        BrokerAction::of(&result),
+        BrokerAction::DeadLetter {
+            reason: DeadLetterReason::Exhausted,
+            ..
+        }
+    ));
+}
+
+/// A result that cannot be stored commits nothing: the effect did not happen, the failure is
+/// terminal (as on the executor's transactional path).
+#[tokio::test]
+async fn a_result_that_cannot_be_stored_commits_nothing() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let effects = effects_table(&admin).await;
+    let mode = mode(&store, |c| c.with_max_result_len(8));
+    let sql = format!("INSERT INTO {effects} (msg, token) VALUES ($1, $2)");
+    let outcome = mode
+        .run(&msg("big"), move |tx, lease| {
+            Box::pin(async move {
+                tx.execute(&sql, &[&lease.key.id(), &(lease.token.get() as i64)])
+                    .await?;
+                Ok("a result far over eight bytes".to_owned())
+            })
         })
         .await
         .unwrap();
-    assert_eq!(
-        outcome,
-        TxOutcome::NotRun(AcquireOutcome::Failed {
-            error: "invalid amount".into(),
-            kind: FailureKind::Terminal
+    match &outcome {
+        Outcome::NotCommitted {
+            refusal: CommitRefusal::ResultNotStorable { reason },
+            kind: FailureKind::Terminal,
+            attempt: 1,
+            error,
+            ..
+        } => {
+            assert!(reason.contains("over the limit of 8 bytes"), "{reason}");
+            assert!(error.starts_with("nothing committed: "), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effect_count(&admin, &effects, "big").await, 0);
+    let again = mode
+        .run(&msg("big"), |_, _| {
+            Box::pin(async { panic!("must not run") })
         })
+        .await
+        .unwrap();
+    assert!(
+        matches!(again, Outcome::<String>::Failed { .. }),
+        "{again:?}"
     );
 }
 
-/// While one transaction holds the key, a concurrent duplicate (transactional or plain) waits at
+/// While one transaction holds the key, a concurrent duplicate (in this mode or plain) waits at
 /// most the lock timeout and answers "in progress"; after the holder commits it is a replay.
 #[tokio::test]
 async fn concurrent_duplicate_gets_in_progress_within_the_lock_timeout() {
@@ -216,49 +422,43 @@ async fn concurrent_duplicate_gets_in_progress_within_the_lock_timeout() {
     else {
         return;
     };
-    let key = ns().key("dup").unwrap();
-    let req = AcquireRequest::new(key.clone(), "holder");
+    let mode = mode(&store, |c| c);
 
     let (entered_tx, entered) = oneshot::channel::<()>();
     let (release_tx, release) = oneshot::channel::<()>();
     let holder = {
-        let store = store.clone();
-        let req = req.clone();
+        let mode = mode.clone();
         tokio::spawn(async move {
-            store
-                .transactional(&req, RETENTION, move |_, _| {
-                    Box::pin(async move {
-                        entered_tx.send(()).unwrap();
-                        release.await.unwrap();
-                        Ok(Bytes::from_static(b"first"))
-                    })
+            mode.run(&msg("dup"), move |_, _| {
+                Box::pin(async move {
+                    entered_tx.send(()).unwrap();
+                    release.await.unwrap();
+                    Ok("first".to_owned())
                 })
-                .await
+            })
+            .await
         })
     };
     entered.await.unwrap();
 
-    let dup = AcquireRequest::new(key.clone(), "duplicate");
     let started = Instant::now();
-    let outcome = store
-        .transactional(&dup, RETENTION, |_, _| {
+    let outcome = mode
+        .run(&msg("dup"), |_, _| {
             Box::pin(async { panic!("the duplicate must not run") })
         })
         .await
         .unwrap();
     let waited = started.elapsed();
-    assert_eq!(
-        outcome,
-        TxOutcome::NotRun(AcquireOutcome::InProgress {
-            owner: UNCOMMITTED_OWNER.into(),
-            retry_after: lock_timeout
-        })
+    assert!(
+        matches!(&outcome, Outcome::<String>::InProgress { owner, retry_after } if owner == UNCOMMITTED_OWNER && *retry_after == lock_timeout),
+        "{outcome:?}"
     );
     // It waited for the lock (not answered from a stale snapshot), and not much longer.
     assert!(waited >= lock_timeout, "{waited:?}");
     assert!(waited < lock_timeout + Duration::from_secs(3), "{waited:?}");
 
     // A plain acquire is bounded the same way.
+    let dup = AcquireRequest::new(key(&mode, "dup"), "duplicate");
     let started = Instant::now();
     let plain = store.acquire(&dup).await.unwrap();
     assert!(
@@ -269,12 +469,12 @@ async fn concurrent_duplicate_gets_in_progress_within_the_lock_timeout() {
 
     release_tx.send(()).unwrap();
     let first = holder.await.unwrap().unwrap();
-    assert!(matches!(first, TxOutcome::Executed { .. }), "{first:?}");
+    assert!(matches!(first, Outcome::Executed(_)), "{first:?}");
     let again = store.acquire(&dup).await.unwrap();
     assert_eq!(
         again,
         AcquireOutcome::Replayed {
-            result: Bytes::from_static(b"first")
+            result: "\"first\"".into()
         }
     );
 }
@@ -288,26 +488,22 @@ async fn crash_before_commit_rolls_everything_back() {
     };
     let admin = common::admin().await;
     let effects = effects_table(&admin).await;
-    let key = ns().key("crash").unwrap();
-    let req = AcquireRequest::new(key.clone(), "w1");
+    let mode = mode(&store, |c| c);
     let sql = format!("INSERT INTO {effects} (msg, token) VALUES ($1, $2)");
     let (inserted_tx, inserted) = oneshot::channel::<()>();
     let task = {
-        let store = store.clone();
-        let req = req.clone();
-        let sql = sql.clone();
+        let mode = mode.clone();
         tokio::spawn(async move {
-            store
-                .transactional(&req, RETENTION, move |tx, lease| {
-                    Box::pin(async move {
-                        tx.execute(&sql, &[&lease.key.id(), &(lease.token.get() as i64)])
-                            .await?;
-                        inserted_tx.send(()).unwrap();
-                        std::future::pending::<()>().await;
-                        Ok(Bytes::new())
-                    })
+            mode.run(&msg("crash"), move |tx, lease| {
+                Box::pin(async move {
+                    tx.execute(&sql, &[&lease.key.id(), &(lease.token.get() as i64)])
+                        .await?;
+                    inserted_tx.send(()).unwrap();
+                    std::future::pending::<()>().await;
+                    Ok(())
                 })
-                .await
+            })
+            .await
         })
     };
     inserted.await.unwrap();
@@ -315,6 +511,7 @@ async fn crash_before_commit_rolls_everything_back() {
     let _ = task.await;
 
     // Everything is as before: no effect, no record, and the key is acquirable at once.
+    let key = key(&mode, "crash");
     let mut record = store.get(&key).await.unwrap();
     for _ in 0..50 {
         if record.is_none() {
@@ -325,17 +522,161 @@ async fn crash_before_commit_rolls_everything_back() {
     }
     assert_eq!(record, None);
     assert_eq!(effect_count(&admin, &effects, "crash").await, 0);
-    let outcome = store
-        .transactional(&req, RETENTION, |_, lease| {
+    let outcome = mode
+        .run(&msg("crash"), |_, lease| {
             let attempt = lease.attempt;
-            Box::pin(async move { Ok(Bytes::from(attempt.to_string())) })
+            Box::pin(async move { Ok(attempt) })
         })
         .await
         .unwrap();
+    assert!(matches!(outcome, Outcome::Executed(1)), "{outcome:?}");
+}
+
+/// Issue 19 item 5: a transaction left idle (the handler awaits something forever) is ended by
+/// the server within `transaction_idle_timeout`, which frees the key, and the call itself ends
+/// at `transaction_timeout`.
+#[tokio::test]
+async fn an_idle_transaction_is_ended_within_the_idle_timeout() {
+    let idle = Duration::from_millis(300);
+    let bound = Duration::from_secs(3);
+    let Some(store) = common::store_with(
+        common::config(common::run_schema())
+            .with_lock_timeout(Duration::from_millis(100))
+            .with_transaction_idle_timeout(idle)
+            .with_transaction_timeout(bound),
+    )
+    .await
+    else {
+        return;
+    };
+    let admin = common::admin().await;
+    let effects = effects_table(&admin).await;
+    let mode = mode(&store, |c| c);
+    let sql = format!("INSERT INTO {effects} (msg, token) VALUES ($1, $2)");
+    let (entered_tx, entered) = oneshot::channel::<()>();
+    let call = {
+        let mode = mode.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let outcome = mode
+                .run(&msg("idle"), move |tx, lease| {
+                    Box::pin(async move {
+                        tx.execute(&sql, &[&lease.key.id(), &(lease.token.get() as i64)])
+                            .await?;
+                        entered_tx.send(()).unwrap();
+                        // Awaits something that never comes, the transaction open and idle.
+                        std::future::pending::<()>().await;
+                        Ok(())
+                    })
+                })
+                .await;
+            (outcome, started.elapsed())
+        })
+    };
+    entered.await.unwrap();
+    let entered_at = Instant::now();
+    // The key becomes acquirable (the row lock is gone) long before the call's own bound.
+    let req = AcquireRequest::new(key(&mode, "idle"), "next");
+    let lease = loop {
+        match store.acquire(&req).await {
+            Ok(AcquireOutcome::Acquired { lease, .. }) => break lease,
+            Ok(AcquireOutcome::InProgress { .. }) | Err(_) => {
+                assert!(
+                    entered_at.elapsed() < bound,
+                    "the key is still held {:?} after the handler went idle",
+                    entered_at.elapsed()
+                );
+            }
+            Ok(other) => panic!("{other:?}"),
+        }
+    };
+    let freed = entered_at.elapsed();
     assert!(
-        matches!(&outcome, TxOutcome::Executed { result, .. } if result == "1"),
+        freed < idle + Duration::from_secs(1),
+        "freed after {freed:?}"
+    );
+    assert_eq!(lease.attempt, 1, "the ended transaction counted no attempt");
+    assert_eq!(effect_count(&admin, &effects, "idle").await, 0);
+
+    // The call ends at its bound; the key is held by `next` now, so nothing is recorded.
+    let (outcome, took) = call.await.unwrap();
+    assert!(
+        matches!(outcome, Ok(Outcome::<()>::LeaseLost { .. })),
         "{outcome:?}"
     );
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!(
+        store.get(&lease.key).await.unwrap().unwrap().token,
+        lease.token
+    );
+}
+
+/// Issue 19 item 5: a handler busy past `transaction_timeout` (a slow statement, so the idle
+/// timeout does not fire) is cut at the bound: its statement is cancelled, the transaction rolled
+/// back, the key free at once, and the attempt recorded as a retryable failure.
+#[tokio::test]
+async fn a_busy_transaction_is_ended_at_the_transaction_timeout() {
+    let bound = Duration::from_millis(500);
+    let Some(store) = common::store_with(
+        common::config(common::run_schema())
+            .with_statement_timeout(Duration::from_secs(20))
+            .with_transaction_idle_timeout(Duration::from_secs(60))
+            .with_transaction_timeout(bound),
+    )
+    .await
+    else {
+        return;
+    };
+    let mode = mode(&store, |c| c);
+    let started = Instant::now();
+    let outcome = mode
+        .run(&msg("busy"), |tx, _| {
+            Box::pin(async move {
+                tx.execute("SELECT pg_sleep(15)", &[]).await?;
+                Ok(())
+            })
+        })
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    match &outcome {
+        Outcome::Retry {
+            attempt: 1,
+            error,
+            panicked: false,
+            ..
+        } => assert!(error.contains("transaction deadline passed"), "{error}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(4),
+        "{took:?}"
+    );
+    let record = store.get(&key(&mode, "busy")).await.unwrap().unwrap();
+    assert!(
+        matches!(
+            record.state,
+            RecordState::Failed {
+                kind: FailureKind::Retryable,
+                ..
+            }
+        ),
+        "{record:?}"
+    );
+    // The key is free at once, and the next attempt is the second.
+    let started = Instant::now();
+    let next = mode
+        .run(&msg("busy"), |_, lease| {
+            let attempt = lease.attempt;
+            Box::pin(async move { Ok(attempt) })
+        })
+        .await
+        .unwrap();
+    assert!(matches!(next, Outcome::Executed(2)), "{next:?}");
+    assert!(started.elapsed() < Duration::from_secs(2));
 }
 
 #[tokio::test]
@@ -345,29 +686,27 @@ async fn inside_a_transaction_the_caller_opened() {
     };
     let admin = common::admin().await;
     let effects = effects_table(&admin).await;
-    let ns = ns();
+    let mode = mode(&store, |c| c);
     let sql = format!("INSERT INTO {effects} (msg, token) VALUES ($1, $2)");
     let mut client = store.pool().get().await.unwrap();
 
     // Commit: the caller's own statement, the handler's and the completion land together.
-    let key = ns.key("ext-commit").unwrap();
-    let req = AcquireRequest::new(key.clone(), "w1");
     let mut tx = client.transaction().await.unwrap();
     tx.execute(&sql, &[&"before", &0i64]).await.unwrap();
     let s = sql.clone();
-    let outcome = store
-        .transactional_in(&mut tx, &req, RETENTION, move |tx, lease| {
+    let outcome = mode
+        .run_in(&mut tx, &msg("ext-commit"), move |tx, lease| {
             Box::pin(async move {
                 tx.execute(&s, &[&lease.key.id(), &(lease.token.get() as i64)])
                     .await?;
-                Ok(Bytes::from_static(b"ok"))
+                Ok("ok".to_owned())
             })
         })
         .await
         .unwrap();
-    assert!(matches!(outcome, TxOutcome::Executed { .. }), "{outcome:?}");
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
     assert_eq!(
-        store.get(&key).await.unwrap(),
+        store.get(&key(&mode, "ext-commit")).await.unwrap(),
         None,
         "not visible before the commit"
     );
@@ -375,29 +714,32 @@ async fn inside_a_transaction_the_caller_opened() {
     assert_eq!(effect_count(&admin, &effects, "before").await, 1);
     assert_eq!(effect_count(&admin, &effects, "ext-commit").await, 1);
     assert!(matches!(
-        store.get(&key).await.unwrap().unwrap().state,
+        store
+            .get(&key(&mode, "ext-commit"))
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
         RecordState::Completed { .. }
     ));
 
     // Handler failure: rolled back to the savepoint, the caller's transaction stays usable, and
     // the failed attempt is recorded outside it (so it stays even if the caller rolls back).
-    let key = ns.key("ext-fail").unwrap();
-    let req = AcquireRequest::new(key.clone(), "w1");
     let mut tx = client.transaction().await.unwrap();
     tx.execute(&sql, &[&"kept", &0i64]).await.unwrap();
     let s = sql.clone();
-    let outcome = store
-        .transactional_in(&mut tx, &req, RETENTION, move |tx, lease| {
+    let outcome = mode
+        .run_in(&mut tx, &msg("ext-fail"), move |tx, lease| {
             Box::pin(async move {
                 tx.execute(&s, &[&lease.key.id(), &(lease.token.get() as i64)])
                     .await?;
-                Err(HandlerError::retryable("nope"))
+                Err::<(), _>(HandlerError::retryable("nope"))
             })
         })
         .await
         .unwrap();
     assert!(
-        matches!(outcome, TxOutcome::HandlerFailed { recorded: true, .. }),
+        matches!(outcome, Outcome::Retry { attempt: 1, .. }),
         "{outcome:?}"
     );
     tx.execute(&sql, &[&"after", &0i64]).await.unwrap();
@@ -405,7 +747,7 @@ async fn inside_a_transaction_the_caller_opened() {
     assert_eq!(effect_count(&admin, &effects, "kept").await, 1);
     assert_eq!(effect_count(&admin, &effects, "after").await, 1);
     assert_eq!(effect_count(&admin, &effects, "ext-fail").await, 0);
-    let record = store.get(&key).await.unwrap().unwrap();
+    let record = store.get(&key(&mode, "ext-fail")).await.unwrap().unwrap();
     assert_eq!(record.attempts, 1);
     assert!(matches!(
         record.state,
@@ -415,19 +757,34 @@ async fn inside_a_transaction_the_caller_opened() {
         }
     ));
 
-    // The caller rolls back after success: nothing happened, the key is free.
-    let key = ns.key("ext-rollback").unwrap();
-    let req = AcquireRequest::new(key.clone(), "w1");
+    // A panic in the caller's transaction: rolled back to the savepoint, recorded, the
+    // transaction still usable.
     let mut tx = client.transaction().await.unwrap();
-    let outcome = store
-        .transactional_in(&mut tx, &req, RETENTION, |_, _| {
-            Box::pin(async { Ok(Bytes::from_static(b"x")) })
+    let outcome = mode
+        .run_in(&mut tx, &msg("ext-panic"), |_, _| {
+            Box::pin(async { panic!("inside") })
         })
         .await
         .unwrap();
-    assert!(matches!(outcome, TxOutcome::Executed { .. }), "{outcome:?}");
+    assert!(
+        matches!(outcome, Outcome::<()>::Retry { panicked: true, .. }),
+        "{outcome:?}"
+    );
+    tx.execute(&sql, &[&"after-panic", &0i64]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(effect_count(&admin, &effects, "after-panic").await, 1);
+
+    // The caller rolls back after success: nothing happened, the key is free.
+    let mut tx = client.transaction().await.unwrap();
+    let outcome = mode
+        .run_in(&mut tx, &msg("ext-rollback"), |_, _| {
+            Box::pin(async { Ok(1u8) })
+        })
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Executed(1)), "{outcome:?}");
     tx.rollback().await.unwrap();
-    assert_eq!(store.get(&key).await.unwrap(), None);
+    assert_eq!(store.get(&key(&mode, "ext-rollback")).await.unwrap(), None);
 }
 
 /// The issue's acceptance test: 20 workers deliver each of 2,000 messages three times, with
@@ -454,7 +811,8 @@ async fn exactly_once_effect_under_aborts_and_killed_connections() {
     };
     let admin = Arc::new(common::admin().await);
     let effects = effects_table(&admin).await;
-    let ns = ns();
+    let mode = mode(&store, |c| c.with_max_attempts(10_000));
+    let ns = mode.executor().namespace().clone();
 
     // A quarter of the messages arrive with their copies back to back (so different workers
     // hold them at the same time and meet the lock timeout); the rest are scattered.
@@ -477,6 +835,7 @@ async fn exactly_once_effect_under_aborts_and_killed_connections() {
         replayed: AtomicU64,
         in_progress: AtomicU64,
         aborted: AtomicU64,
+        lease_lost: AtomicU64,
         self_killed: AtomicU64,
         unavailable: AtomicU64,
         killer_kills: AtomicU64,
@@ -515,14 +874,13 @@ async fn exactly_once_effect_under_aborts_and_killed_connections() {
     let insert = format!("INSERT INTO {effects} (msg, token) VALUES ($1, $2)");
     let started = Instant::now();
     let workers: Vec<_> = (0..WORKERS)
-        .map(|w| {
-            let (store, queue, stats, admin, insert, ns) = (
-                store.clone(),
+        .map(|_| {
+            let (mode, queue, stats, admin, insert) = (
+                mode.clone(),
                 queue.clone(),
                 stats.clone(),
                 admin.clone(),
                 insert.clone(),
-                ns.clone(),
             );
             tokio::spawn(async move {
                 loop {
@@ -530,15 +888,13 @@ async fn exactly_once_effect_under_aborts_and_killed_connections() {
                         break;
                     };
                     let id = format!("msg-{m}");
-                    let req = AcquireRequest::new(ns.key(&id).unwrap(), format!("worker-{w}"))
-                        .with_max_attempts(10_000);
                     // Deliver until the consumer would ack: executed or replayed.
                     for round in 0.. {
                         assert!(round < 1_000, "{id} never finished");
                         let (insert, admin, stats2) =
                             (insert.clone(), admin.clone(), stats.clone());
-                        let outcome = store
-                            .transactional(&req, RETENTION, move |tx, lease| {
+                        let outcome = mode
+                            .run(&msg(&id), move |tx, lease| {
                                 Box::pin(async move {
                                     tx.execute(
                                         &insert,
@@ -567,33 +923,36 @@ async fn exactly_once_effect_under_aborts_and_killed_connections() {
                                     } else if dice < 0.17 {
                                         tokio::time::sleep(Duration::from_millis(5)).await;
                                     }
-                                    Ok(Bytes::from(lease.key.id().to_owned()))
+                                    Ok(lease.key.id().to_owned())
                                 })
                             })
                             .await;
                         match outcome {
-                            Ok(TxOutcome::Executed { .. }) => {
+                            Ok(Outcome::Executed(_)) => {
                                 stats.executed.fetch_add(1, Ordering::Relaxed);
                                 break;
                             }
-                            Ok(TxOutcome::NotRun(AcquireOutcome::Replayed { result })) => {
-                                assert_eq!(result, id.as_bytes());
+                            Ok(Outcome::Replayed(result)) => {
+                                assert_eq!(result, id);
                                 stats.replayed.fetch_add(1, Ordering::Relaxed);
                                 break;
                             }
-                            Ok(TxOutcome::NotRun(AcquireOutcome::InProgress { .. })) => {
+                            Ok(Outcome::InProgress { .. }) => {
                                 stats.in_progress.fetch_add(1, Ordering::Relaxed);
                                 tokio::time::sleep(Duration::from_millis(10)).await;
                             }
-                            Ok(TxOutcome::HandlerFailed { .. }) => {
+                            Ok(Outcome::Retry { .. }) => {
                                 stats.aborted.fetch_add(1, Ordering::Relaxed);
                             }
+                            Ok(Outcome::LeaseLost { .. }) => {
+                                stats.lease_lost.fetch_add(1, Ordering::Relaxed);
+                            }
                             Ok(other) => panic!("{id}: unexpected {other:?}"),
-                            Err(e) if e.is_retryable() => {
+                            Err(ExecutorError::Store { .. }) => {
                                 stats.unavailable.fetch_add(1, Ordering::Relaxed);
                                 tokio::time::sleep(Duration::from_millis(5)).await;
                             }
-                            Err(e) => panic!("{id}: non-retryable error {e:?}"),
+                            Err(e) => panic!("{id}: unexpected error {e:?}"),
                         }
                     }
                 }
@@ -610,12 +969,13 @@ async fn exactly_once_effect_under_aborts_and_killed_connections() {
     let s = |a: &AtomicU64| a.load(Ordering::Relaxed);
     println!(
         "{} deliveries in {elapsed:?}: executed {}, replayed {}, in progress {}, handler aborts {}, \
-         self-kills {}, killer kills {}, unavailable {}",
+         not recorded {}, self-kills {}, killer kills {}, store errors {}",
         MESSAGES * DELIVERIES,
         s(&stats.executed),
         s(&stats.replayed),
         s(&stats.in_progress),
         s(&stats.aborted),
+        s(&stats.lease_lost),
         s(&stats.self_killed),
         s(&stats.killer_kills),
         s(&stats.unavailable),
@@ -660,7 +1020,7 @@ async fn exactly_once_effect_under_aborts_and_killed_connections() {
         .query_one(
             &format!(
                 "SELECT count(*) FROM {effects} e JOIN {} r ON r.namespace = $1 AND r.id = e.msg \
-                 WHERE e.token <> r.token OR r.result <> convert_to(e.msg, 'UTF8')",
+                 WHERE e.token <> r.token OR r.result <> convert_to(to_json(e.msg)::text, 'UTF8')",
                 store.qualified_table()
             ),
             &[&ns.as_str()],
@@ -675,24 +1035,34 @@ async fn exactly_once_effect_under_aborts_and_killed_connections() {
     assert!(s(&stats.executed) <= MESSAGES as u64);
 }
 
-/// Store errors inside transactional mode keep their mapping: a store on a dead port answers
-/// `Unavailable` and never runs the handler.
+/// Store errors keep their mapping: a store on a dead port is an `ExecutorError::Store` at
+/// acquire, and the handler never runs.
 #[tokio::test]
 async fn unreachable_store_never_runs_the_handler() {
     let store = PostgresStore::connect(
-        idem_postgres::PostgresConfig::new("postgres://postgres@127.0.0.1:1/test")
+        PostgresConfig::new("postgres://postgres@127.0.0.1:1/test")
             .unwrap()
             .with_connect_timeout(Duration::from_secs(1)),
     )
     .await
     .unwrap();
-    let req = AcquireRequest::new(ns().key("k").unwrap(), "w");
-    let r = store
-        .transactional(&req, RETENTION, |_, _| {
-            Box::pin(async { panic!("must not run") })
-        })
+    let mode = mode(&store, |c| c);
+    let r = mode
+        .run(&msg("k"), |_, _| Box::pin(async { panic!("must not run") }))
         .await;
-    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err::<Outcome<()>, _>(ExecutorError::Store {
+                stage: StoreStage::Acquire,
+                handler_ran: false,
+                source: idem_core::Error::Unavailable { .. },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(matches!(BrokerAction::of(&r), BrokerAction::Retry { .. }));
 }
 
 /// The acquire's lock timeout applies to the acquire only: the handler's statements run with the
@@ -721,27 +1091,37 @@ async fn lock_timeout_is_restored_for_business_statements() {
         }
     };
     assert_eq!(show("statement_timeout").await, "7s");
-    let key = ns().key("settings").unwrap();
-    store.acquire(&AcquireRequest::new(key, "w")).await.unwrap();
+    let mode = mode(&store, |c| c);
+    store
+        .acquire(&AcquireRequest::new(key(&mode, "settings"), "w"))
+        .await
+        .unwrap();
     assert_eq!(
         show("lock_timeout").await,
         "0",
         "autocommit acquire leaves no trace"
     );
 
-    let req = AcquireRequest::new(ns().key("settings-tx").unwrap(), "w");
-    let outcome = store
-        .transactional(&req, RETENTION, |tx, _| {
+    let outcome = mode
+        .run(&msg("settings-tx"), |tx, _| {
             Box::pin(async move {
-                let row = tx.query_one("SHOW lock_timeout", &[]).await?;
-                Ok(Bytes::from(row.get::<_, String>(0)))
+                let lock = tx.query_one("SHOW lock_timeout", &[]).await?;
+                let idle = tx
+                    .query_one("SHOW idle_in_transaction_session_timeout", &[])
+                    .await?;
+                Ok((lock.get::<_, String>(0), idle.get::<_, String>(0)))
             })
         })
         .await
         .unwrap();
     assert!(
-        matches!(&outcome, TxOutcome::Executed { result, .. } if result == "0"),
-        "the handler must see the session's lock_timeout: {outcome:?}"
+        matches!(&outcome, Outcome::Executed((lock, idle)) if lock == "0" && idle == "10s"),
+        "the handler sees the session's lock_timeout and the mode's idle timeout: {outcome:?}"
+    );
+    assert_eq!(
+        show("idle_in_transaction_session_timeout").await,
+        "0",
+        "the idle timeout was the transaction's only"
     );
 
     // With a transaction the caller opened and its own lock_timeout.
@@ -750,26 +1130,25 @@ async fn lock_timeout_is_restored_for_business_statements() {
     tx.batch_execute("SET LOCAL lock_timeout = '42s'")
         .await
         .unwrap();
-    let req = AcquireRequest::new(ns().key("settings-ext").unwrap(), "w");
-    let outcome = store
-        .transactional_in(&mut tx, &req, RETENTION, |tx, _| {
+    let outcome = mode
+        .run_in(&mut tx, &msg("settings-ext"), |tx, _| {
             Box::pin(async move {
                 let row = tx.query_one("SHOW lock_timeout", &[]).await?;
-                Ok(Bytes::from(row.get::<_, String>(0)))
+                Ok(row.get::<_, String>(0))
             })
         })
         .await
         .unwrap();
     assert!(
-        matches!(&outcome, TxOutcome::Executed { result, .. } if result == "42s"),
+        matches!(&outcome, Outcome::Executed(v) if v == "42s"),
         "{outcome:?}"
     );
     tx.commit().await.unwrap();
 }
 
 /// Recording a failed attempt waits at most the lock timeout on a key another transaction holds:
-/// the attempt is then reported as not recorded (a definite outcome), not as `Unavailable` after
-/// the statement timeout, and the holder's state stands.
+/// the attempt is then not recorded (the outcome is `LeaseLost`, a definite answer), not
+/// `Unavailable` after the statement timeout, and the holder's state stands.
 #[tokio::test]
 async fn record_failure_gives_up_after_the_lock_timeout() {
     let lock_timeout = Duration::from_millis(300);
@@ -782,7 +1161,8 @@ async fn record_failure_gives_up_after_the_lock_timeout() {
     else {
         return;
     };
-    let key = ns().key("locked-after-rollback").unwrap();
+    let mode = mode(&store, |c| c);
+    let key = key(&mode, "locked-after-rollback");
     let req = AcquireRequest::new(key.clone(), "w1");
     // An existing, acquirable record, so there is a row to lock.
     let AcquireOutcome::Acquired { lease, .. } = store.acquire(&req).await.unwrap() else {
@@ -805,21 +1185,14 @@ async fn record_failure_gives_up_after_the_lock_timeout() {
     assert_eq!(locked.len(), 1);
 
     let started = Instant::now();
-    let outcome = store
-        .transactional_in(&mut tx, &req, RETENTION, |_, _| {
-            Box::pin(async { Err(HandlerError::retryable("downstream said no")) })
+    let outcome = mode
+        .run_in(&mut tx, &msg("locked-after-rollback"), |_, _| {
+            Box::pin(async { Err::<(), _>(HandlerError::retryable("downstream said no")) })
         })
         .await
         .unwrap();
     let waited = started.elapsed();
-    assert_eq!(
-        outcome,
-        TxOutcome::HandlerFailed {
-            error: "downstream said no".into(),
-            retryable: true,
-            recorded: false
-        }
-    );
+    assert!(matches!(outcome, Outcome::LeaseLost { .. }), "{outcome:?}");
     assert!(waited >= lock_timeout, "it waited for the lock: {waited:?}");
     assert!(waited < Duration::from_secs(4), "{waited:?}");
 
@@ -828,4 +1201,15 @@ async fn record_failure_gives_up_after_the_lock_timeout() {
     assert_eq!(record.state, RecordState::Released);
     assert_eq!(record.attempts, 0, "the attempt was not counted");
     assert_eq!(record.token, lease.token, "the record was not touched");
+}
+
+/// A runner spawns its deliveries: the futures of `handle` and `run` must be `Send`.
+#[test]
+fn the_entry_points_are_send() {
+    fn send<F: std::future::Future + Send>(_: F) {}
+    #[allow(dead_code)]
+    fn check(mode: &InTransaction, handler: &impl idem_postgres::TxHandler<RawMessage, String>) {
+        send(mode.handle(msg("k"), handler));
+        send(mode.run(&msg("k"), |_, _| Box::pin(async { Ok(1u8) })));
+    }
 }

@@ -143,7 +143,10 @@ async fn run(seconds: f64, tasks: usize) {
     rate(&store, Path::Transactional, 0, 4, 0.3).await;
 
     let (mut plain, mut tx) = (Vec::new(), Vec::new());
-    println!("{:>6}  {:>15}  {:>21}", "round", "plain msg/s", "transactional msg/s");
+    println!(
+        "{:>6}  {:>15}  {:>21}",
+        "round", "plain msg/s", "transactional msg/s"
+    );
     for round in 1..=2 {
         let p = rate(&store, Path::Plain, round, tasks, seconds).await;
         let t = rate(&store, Path::Transactional, round, tasks, seconds).await;

@@ -306,6 +306,7 @@ async fn bad_input_writes_nothing(store: RedisStore) {
         still_completable(&store, &mut admin, &lease).await;
     } else {
         // Standalone has no slot limit.
+        assert_eq!(state(&store, &k).await, RecordState::InProgress);
         store
             .complete_with(&lease, Bytes::new(), HOUR, outside)
             .await

@@ -1,9 +1,11 @@
 //! [`SqliteBackend`]: the kit's compare-and-swap on one SQLite table.
 
+use std::cell::Cell;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -11,7 +13,7 @@ use idem_core::kit::{Cas, CasBackend, Scanned, Versioned};
 use idem_core::{Error, Result};
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
-use crate::options::SqliteOptions;
+use crate::options::{Offload, SqliteOptions};
 
 /// The backend's name, in errors and metrics.
 pub(crate) const NAME: &str = "sqlite";
@@ -43,7 +45,8 @@ const SCAN_TO_END: &str = "SELECT key, value, version FROM idem_records \
 /// The kit's [`CasBackend`] on SQLite: one `WITHOUT ROWID` table of `(key, version, value)`,
 /// in WAL mode. Loads and scans run on a small pool of read connections; writes go through one
 /// connection, so the writers of one process never wait on each other's locks (only on other
-/// processes', up to the busy timeout). Every call runs on tokio's blocking pool.
+/// processes', up to the busy timeout). Statements run off the async scheduling as
+/// [`SqliteOptions::offload`] says.
 ///
 /// Cloning is cheap and shares the connections.
 #[derive(Clone)]
@@ -113,6 +116,10 @@ impl SqliteBackend {
     /// the options' busy timeout and durability, the table. Blocks: call it from
     /// [`SqliteStore::open_with`](crate::SqliteStore::open_with), or on a blocking thread.
     pub(crate) fn open_blocking(path: &Path, options: SqliteOptions) -> Result<Self> {
+        with_busy_timeout(options.busy_timeout, || Self::open_here(path, options))
+    }
+
+    fn open_here(path: &Path, options: SqliteOptions) -> Result<Self> {
         let writer = connect(path, &options, options.create).map_err(classify)?;
         writer
             .pragma_update(None, "journal_mode", "WAL")
@@ -165,14 +172,14 @@ impl SqliteBackend {
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     {
         let shared = self.shared.clone();
-        blocking(move || {
+        blocking(self.shared.options.offload, move || {
             shared.statements.fetch_add(1, Ordering::Relaxed);
             let idle = lock(&shared.readers).pop();
             let conn = match idle {
                 Some(conn) => conn,
                 None => connect(&shared.path, &shared.options, false)?,
             };
-            let out = f(&conn);
+            let out = with_busy_timeout(shared.options.busy_timeout, || f(&conn));
             let mut idle = lock(&shared.readers);
             if idle.len() < shared.options.readers {
                 idle.push(conn);
@@ -189,24 +196,66 @@ impl SqliteBackend {
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     {
         let shared = self.shared.clone();
-        blocking(move || {
+        blocking(self.shared.options.offload, move || {
             shared.statements.fetch_add(1, Ordering::Relaxed);
-            f(&lock(&shared.writer))
+            let writer = lock(&shared.writer);
+            with_busy_timeout(shared.options.busy_timeout, || f(&writer))
         })
         .await
     }
 }
 
-async fn blocking<T, F>(f: F) -> Result<T>
+/// Runs a statement off the async runtime's scheduling, as [`Offload`] says.
+async fn blocking<T, F>(offload: Offload, f: F) -> Result<T>
 where
     T: Send + 'static,
     F: FnOnce() -> rusqlite::Result<T> + Send + 'static,
 {
+    let in_place = offload == Offload::InPlace
+        && tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if in_place {
+        return tokio::task::block_in_place(f).map_err(classify);
+    }
     match tokio::task::spawn_blocking(f).await {
         Ok(out) => out.map_err(classify),
         // The statement panicked or the runtime is shutting down: it may or may not have run.
         Err(e) => Err(Error::unavailable(NAME, e)),
     }
+}
+
+thread_local! {
+    /// The busy timeout of the statement running on this thread, and when it first met a lock.
+    static BUSY: Cell<(Duration, Option<Instant>)> = const { Cell::new((Duration::ZERO, None)) };
+}
+
+/// Runs `f` with `timeout` as the bound of [`wait_for_lock`] on this thread.
+fn with_busy_timeout<T>(timeout: Duration, f: impl FnOnce() -> T) -> T {
+    BUSY.with(|b| b.set((timeout, None)));
+    f()
+}
+
+/// SQLite's busy handler: called while another connection (another process, a checkpoint)
+/// holds the lock a statement needs. Retries after short pauses (20 us doubling to 1 ms) until
+/// the busy timeout has passed since the first call. SQLite's own handler sleeps up to 100 ms
+/// between tries, so a process whose writes follow each other closely starves the others;
+/// short pauses let every process in between.
+fn wait_for_lock(attempt: i32) -> bool {
+    BUSY.with(|b| {
+        let (timeout, since) = b.get();
+        let now = Instant::now();
+        let since = match (attempt, since) {
+            (0, _) | (_, None) => now,
+            (_, Some(since)) => since,
+        };
+        b.set((timeout, Some(since)));
+        if now.duration_since(since) >= timeout {
+            return false;
+        }
+        let pause = Duration::from_micros(20 << attempt.clamp(0, 6)).min(Duration::from_millis(1));
+        std::thread::sleep(pause);
+        true
+    })
 }
 
 fn connect(path: &Path, options: &SqliteOptions, create: bool) -> rusqlite::Result<Connection> {
@@ -215,7 +264,7 @@ fn connect(path: &Path, options: &SqliteOptions, create: bool) -> rusqlite::Resu
         flags |= OpenFlags::SQLITE_OPEN_CREATE;
     }
     let conn = Connection::open_with_flags(path, flags)?;
-    conn.busy_timeout(options.busy_timeout)?;
+    conn.busy_handler(Some(wait_for_lock))?;
     conn.pragma_update(None, "synchronous", options.synchronous.pragma())?;
     Ok(conn)
 }
@@ -258,10 +307,13 @@ impl CasBackend for SqliteBackend {
         let expected = expected.copied();
         self.write(move |conn| {
             let changed = match expected {
-                None => conn.prepare_cached(INSERT)?.execute(params![key, &value[..]])?,
-                Some(version) => conn
-                    .prepare_cached(UPDATE)?
-                    .execute(params![key, &value[..], version])?,
+                None => conn
+                    .prepare_cached(INSERT)?
+                    .execute(params![key, &value[..]])?,
+                Some(version) => {
+                    conn.prepare_cached(UPDATE)?
+                        .execute(params![key, &value[..], version])?
+                }
             };
             Ok(if changed == 1 {
                 Cas::Written
@@ -276,7 +328,9 @@ impl CasBackend for SqliteBackend {
         let key = key.to_vec();
         let expected = *expected;
         self.write(move |conn| {
-            let changed = conn.prepare_cached(DELETE)?.execute(params![key, expected])?;
+            let changed = conn
+                .prepare_cached(DELETE)?
+                .execute(params![key, expected])?;
             Ok(if changed == 1 {
                 Cas::Written
             } else {

@@ -5,5 +5,5 @@ mod options;
 mod store;
 
 pub use backend::{CREATE_TABLE, SqliteBackend, TABLE};
-pub use options::{SqliteOptions, Synchronous};
+pub use options::{Offload, SqliteOptions, Synchronous};
 pub use store::SqliteStore;

@@ -45,9 +45,10 @@ impl SqliteStore {
     pub async fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self> {
         let path = path.as_ref().to_owned();
         let kit_options = options.kit.clone();
-        let backend = tokio::task::spawn_blocking(move || SqliteBackend::open_blocking(&path, options))
-            .await
-            .map_err(|e| Error::unavailable(NAME, e))??;
+        let backend =
+            tokio::task::spawn_blocking(move || SqliteBackend::open_blocking(&path, options))
+                .await
+                .map_err(|e| Error::unavailable(NAME, e))??;
         Ok(Self {
             kit: KitStore::with_options(backend, kit_options),
         })

@@ -157,3 +157,28 @@ async fn a_compare_and_swap_that_is_not_atomic_fails_c02_and_c19() {
         );
     }
 }
+
+/// The guide quotes the example's backend: the quote must be the file's text, as it compiles.
+#[test]
+fn the_guide_quotes_the_example_as_it_is() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let guide = std::fs::read_to_string(root.join("docs/custom-store.md")).unwrap();
+    let example = std::fs::read_to_string(root.join("idem-core/examples/kit_memory.rs")).unwrap();
+    let section = guide
+        .split_once("## Worked example: the kit")
+        .expect("the guide's kit section")
+        .1;
+    let quoted = section
+        .split_once("```rust\n")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .expect("a rust block in the kit section")
+        .0;
+    assert!(
+        quoted.contains("impl CasBackend for MapBackend"),
+        "{quoted}"
+    );
+    assert!(
+        example.contains(quoted),
+        "docs/custom-store.md quotes idem-core/examples/kit_memory.rs: update the quote"
+    );
+}

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Stdio;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::db_path;
 use idem_core::{
@@ -50,34 +50,51 @@ fn child_process() {
     rt.block_on(async move {
         let store = SqliteStore::open(&db).await.expect("child open");
         match role.as_str() {
-            "race" => race(store, owner).await,
+            "race-up" => race(store, owner, false).await,
+            "race-down" => race(store, owner, true).await,
             "doomed" => doomed(store, owner).await,
             other => panic!("unknown role {other}"),
         }
     });
 }
 
-/// Waits for `go` on stdin, acquires every key from several tasks, reports each outcome, then
-/// completes the keys it won with its own name.
-async fn race(store: SqliteStore, owner: String) {
-    println!("ready");
+/// Waits for `go` on stdin and the instant it names, acquires every key from several tasks, reports each outcome, then
+/// waits for `complete` and completes the keys it won with its own name.
+async fn race(store: SqliteStore, owner: String, descending: bool) {
+    say("ready");
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
-    assert_eq!(stdin.next_line().await.unwrap().as_deref(), Some("go"));
+    // `go <ms since the epoch>`: both processes start at that instant.
+    let go = stdin.next_line().await.unwrap().expect("go");
+    let at: u64 = go.strip_prefix("go ").expect("go <ms>").parse().unwrap();
+    let start = UNIX_EPOCH + Duration::from_millis(at);
+    if let Ok(wait) = start.duration_since(SystemTime::now()) {
+        tokio::time::sleep(wait).await;
+    }
     let tasks: Vec<_> = (0..RACE_TASKS)
         .map(|t| {
             let (store, owner) = (store.clone(), owner.clone());
             tokio::spawn(async move {
                 let mut won = Vec::new();
-                for i in (t..RACE_KEYS).step_by(RACE_TASKS) {
+                let mine: Vec<usize> = (t..RACE_KEYS).step_by(RACE_TASKS).collect();
+                // One process goes up the keys, the other down: each wins the keys it reaches
+                // first, and they fight over the keys where they meet.
+                let order: Box<dyn Iterator<Item = usize> + Send> = if descending {
+                    Box::new(mine.into_iter().rev())
+                } else {
+                    Box::new(mine.into_iter())
+                };
+                for i in order {
                     let req = AcquireRequest::new(ns().key(format!("k{i}")).unwrap(), &owner)
                         .with_lease_ttl(Duration::from_secs(600));
                     match store.acquire(&req).await.expect("child acquire") {
                         AcquireOutcome::Acquired { lease, .. } => {
-                            println!("won {i} {}", lease.token);
+                            say(&format!("won {i} {}", lease.token));
                             won.push(lease);
                         }
-                        AcquireOutcome::InProgress { owner, .. } => println!("busy {i} {owner}"),
-                        other => println!("other {i} {other:?}"),
+                        AcquireOutcome::InProgress { owner, .. } => {
+                            say(&format!("busy {i} {owner}"))
+                        }
+                        other => say(&format!("other {i} {other:?}")),
                     }
                 }
                 won
@@ -88,13 +105,20 @@ async fn race(store: SqliteStore, owner: String) {
     for t in tasks {
         won.extend(t.await.unwrap());
     }
+    // Both processes acquire everything before either completes: the loser of each key sees
+    // it in progress, never replayed.
+    say("acquired all");
+    assert_eq!(
+        stdin.next_line().await.unwrap().as_deref(),
+        Some("complete")
+    );
     for lease in won {
         store
             .complete(&lease, Bytes::from(owner.clone()), RETENTION)
             .await
             .expect("child complete");
     }
-    println!("finished");
+    say("finished");
 }
 
 /// Acquires `doomed` and never finishes it; meanwhile completes one key after another,
@@ -104,7 +128,7 @@ async fn doomed(store: SqliteStore, owner: String) {
     let AcquireOutcome::Acquired { lease, .. } = store.acquire(&req).await.unwrap() else {
         panic!("the doomed key is fresh");
     };
-    println!("acquired {}", lease.token);
+    say(&format!("acquired {}", lease.token));
     for n in 0.. {
         let req = AcquireRequest::new(ns().key(format!("bg-{n}")).unwrap(), &owner);
         let AcquireOutcome::Acquired { lease, .. } = store.acquire(&req).await.unwrap() else {
@@ -114,13 +138,25 @@ async fn doomed(store: SqliteStore, owner: String) {
             .complete(&lease, Bytes::from(format!("bg {n}")), RETENTION)
             .await
             .unwrap();
-        println!("done {n}");
+        say(&format!("done {n}"));
     }
+}
+
+/// Marks what a child reports: the test harness writes its own text on the same lines.
+const MARK: &str = "IDEM> ";
+
+fn say(what: &str) {
+    println!("{MARK}{what}");
 }
 
 fn spawn(role: &str, db: &Path, owner: &str) -> (Child, Lines<BufReader<ChildStdout>>) {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["child_process", "--exact", "--nocapture", "--test-threads=1"])
+        .args([
+            "child_process",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD, role)
         .env(DB, db)
         .env(OWNER, owner)
@@ -133,12 +169,14 @@ fn spawn(role: &str, db: &Path, owner: &str) -> (Child, Lines<BufReader<ChildStd
     (child, lines)
 }
 
-/// The next line the child printed that starts with one of `prefixes` (the test harness prints
-/// its own lines too).
+/// The next report of the child that starts with one of `prefixes`.
 async fn next(lines: &mut Lines<BufReader<ChildStdout>>, prefixes: &[&str]) -> Option<String> {
     while let Some(line) = lines.next_line().await.unwrap() {
-        if prefixes.iter().any(|p| line.starts_with(p)) {
-            return Some(line);
+        let Some((_, said)) = line.split_once(MARK) else {
+            continue;
+        };
+        if prefixes.iter().any(|p| said.starts_with(p)) {
+            return Some(said.to_owned());
         }
     }
     None
@@ -149,20 +187,28 @@ async fn two_processes_racing_for_the_same_keys_have_one_winner_per_key() {
     let db = db_path("race");
     SqliteStore::open(&db).await.unwrap(); // create the file and the table first
     let owners = ["proc-a", "proc-b"];
-    let mut children: Vec<_> = owners.iter().map(|o| spawn("race", &db, o)).collect();
+    let mut children = vec![
+        spawn("race-up", &db, owners[0]),
+        spawn("race-down", &db, owners[1]),
+    ];
     for (_, lines) in &mut children {
         assert_eq!(next(lines, &["ready"]).await.as_deref(), Some("ready"));
     }
+    let at = SystemTime::now() + Duration::from_millis(300);
+    let go = format!(
+        "go {}\n",
+        at.duration_since(UNIX_EPOCH).unwrap().as_millis()
+    );
     for (child, _) in &mut children {
         let stdin = child.stdin.as_mut().unwrap();
-        stdin.write_all(b"go\n").await.unwrap();
+        stdin.write_all(go.as_bytes()).await.unwrap();
         stdin.flush().await.unwrap();
     }
     // key -> (winner, token); key -> the owner each loser saw.
     let mut winners: BTreeMap<usize, Vec<(String, u64)>> = BTreeMap::new();
     let mut busy: BTreeMap<usize, Vec<String>> = BTreeMap::new();
-    for ((child, lines), owner) in children.iter_mut().zip(owners) {
-        while let Some(line) = next(lines, &["won", "busy", "other", "finished"]).await {
+    for ((_, lines), owner) in children.iter_mut().zip(owners) {
+        while let Some(line) = next(lines, &["won", "busy", "other", "acquired all"]).await {
             let parts: Vec<&str> = line.splitn(3, ' ').collect();
             match parts[0] {
                 "won" => winners
@@ -173,10 +219,19 @@ async fn two_processes_racing_for_the_same_keys_have_one_winner_per_key() {
                     .entry(parts[1].parse().unwrap())
                     .or_default()
                     .push(parts[2].to_owned()),
-                "finished" => break,
+                "acquired" => break,
                 _ => panic!("{owner}: unexpected outcome {line}"),
             }
         }
+    }
+    for ((child, lines), owner) in children.iter_mut().zip(owners) {
+        let stdin = child.stdin.as_mut().unwrap();
+        stdin.write_all(b"complete\n").await.unwrap();
+        stdin.flush().await.unwrap();
+        assert_eq!(
+            next(lines, &["finished"]).await.as_deref(),
+            Some("finished")
+        );
         let status = child.wait().await.unwrap();
         assert!(status.success(), "{owner} exited with {status}");
     }
@@ -190,11 +245,19 @@ async fn two_processes_racing_for_the_same_keys_have_one_winner_per_key() {
         *won_by.entry(winner.as_str()).or_default() += 1;
         assert_eq!(
             busy.get(&i).map(Vec::as_slice).unwrap_or_default(),
-            [winner.clone()],
+            std::slice::from_ref(winner),
             "the other process saw key {i} in progress, held by the winner"
         );
-        let record = store.get(&ns().key(format!("k{i}")).unwrap()).await.unwrap().unwrap();
-        assert_eq!(record.token.get(), *token, "the winner's token stands on k{i}");
+        let record = store
+            .get(&ns().key(format!("k{i}")).unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            record.token.get(),
+            *token,
+            "the winner's token stands on k{i}"
+        );
         assert_eq!(
             record.state,
             RecordState::Completed {
@@ -203,7 +266,11 @@ async fn two_processes_racing_for_the_same_keys_have_one_winner_per_key() {
         );
     }
     eprintln!("keys won per process: {won_by:?}");
-    assert_eq!(won_by.len(), 2, "both processes won keys: a real race ({won_by:?})");
+    assert_eq!(
+        won_by.len(),
+        2,
+        "both processes won keys: a real race ({won_by:?})"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -211,7 +278,9 @@ async fn a_process_killed_mid_handler_is_taken_over_after_its_lease() {
     let db = db_path("killed");
     SqliteStore::open(&db).await.unwrap();
     let (mut child, mut lines) = spawn("doomed", &db, "doomed-worker");
-    let line = next(&mut lines, &["acquired"]).await.expect("the child acquired");
+    let line = next(&mut lines, &["acquired"])
+        .await
+        .expect("the child acquired");
     let doomed_token: u64 = line["acquired ".len()..].parse().unwrap();
     // Let it complete a few keys, then kill it in the middle of whatever it is writing.
     let mut done = BTreeSet::new();
@@ -239,7 +308,9 @@ async fn a_process_killed_mid_handler_is_taken_over_after_its_lease() {
     let req = AcquireRequest::new(key.clone(), "rescuer").with_lease_ttl(Duration::from_secs(30));
     match store.acquire(&req).await.unwrap() {
         AcquireOutcome::InProgress { owner, .. } => assert_eq!(owner, "doomed-worker"),
-        other => panic!("the dead worker's lease is still live: expected InProgress, got {other:?}"),
+        other => {
+            panic!("the dead worker's lease is still live: expected InProgress, got {other:?}")
+        }
     }
     clock.advance(DOOMED_LEASE + Duration::from_millis(1));
     let lease = match store.acquire(&req).await.unwrap() {
@@ -251,7 +322,10 @@ async fn a_process_killed_mid_handler_is_taken_over_after_its_lease() {
         }
         other => panic!("expected a takeover after the lease, got {other:?}"),
     };
-    store.complete(&lease, Bytes::from_static(b"rescued"), RETENTION).await.unwrap();
+    store
+        .complete(&lease, Bytes::from_static(b"rescued"), RETENTION)
+        .await
+        .unwrap();
 
     for n in &done {
         let record = store
@@ -267,6 +341,8 @@ async fn a_process_killed_mid_handler_is_taken_over_after_its_lease() {
         );
     }
     let conn = rusqlite::Connection::open(&db).unwrap();
-    let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+    let check: String = conn
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
     assert_eq!(check, "ok");
 }

@@ -41,15 +41,35 @@ async fn statements_per_call() {
     }
     let (lease, n) = costs!(acquired(&store, "k", "a").await);
     assert_eq!(n, 2, "acquire (fresh): SELECT + INSERT");
-    let (_, n) = costs!(store.acquire(&AcquireRequest::new(key("k"), "b")).await.unwrap());
+    let (_, n) = costs!(
+        store
+            .acquire(&AcquireRequest::new(key("k"), "b"))
+            .await
+            .unwrap()
+    );
     assert_eq!(n, 1, "acquire (busy): SELECT");
     let (lease, n) = costs!(store.extend(&lease, Duration::from_secs(60)).await.unwrap());
     assert_eq!(n, 2, "extend: SELECT + UPDATE");
-    let (_, n) = costs!(store.complete(&lease, Bytes::from_static(b"r"), RETENTION).await.unwrap());
+    let (_, n) = costs!(
+        store
+            .complete(&lease, Bytes::from_static(b"r"), RETENTION)
+            .await
+            .unwrap()
+    );
     assert_eq!(n, 2, "complete: SELECT + UPDATE");
-    let (_, n) = costs!(store.complete(&lease, Bytes::from_static(b"r"), RETENTION).await.unwrap());
+    let (_, n) = costs!(
+        store
+            .complete(&lease, Bytes::from_static(b"r"), RETENTION)
+            .await
+            .unwrap()
+    );
     assert_eq!(n, 1, "complete (replayed): SELECT");
-    let (out, n) = costs!(store.acquire(&AcquireRequest::new(key("k"), "b")).await.unwrap());
+    let (out, n) = costs!(
+        store
+            .acquire(&AcquireRequest::new(key("k"), "b"))
+            .await
+            .unwrap()
+    );
     assert!(matches!(out, AcquireOutcome::Replayed { .. }));
     assert_eq!(n, 1, "acquire (duplicate): SELECT");
     let (_, n) = costs!(store.get(&key("k")).await.unwrap());
@@ -69,7 +89,10 @@ async fn records_survive_a_reopen() {
     drop(store);
     let store = SqliteStore::open(&path).await.unwrap();
     assert_eq!(
-        store.acquire(&AcquireRequest::new(key("k"), "b")).await.unwrap(),
+        store
+            .acquire(&AcquireRequest::new(key("k"), "b"))
+            .await
+            .unwrap(),
         AcquireOutcome::Replayed {
             result: Bytes::from_static(b"receipt")
         }
@@ -103,7 +126,10 @@ async fn a_lock_held_past_the_busy_timeout_is_unavailable_and_duplicates_still_a
         .await
         .unwrap();
     let lease = acquired(&store, "done", "a").await;
-    store.complete(&lease, Bytes::from_static(b"r"), RETENTION).await.unwrap();
+    store
+        .complete(&lease, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap();
 
     // Another process holds the write lock.
     let other = Connection::open(&path).unwrap();
@@ -112,10 +138,22 @@ async fn a_lock_held_past_the_busy_timeout_is_unavailable_and_duplicates_still_a
     let started = Instant::now();
     let r = store.acquire(&AcquireRequest::new(key("fresh"), "a")).await;
     let waited = started.elapsed();
-    assert!(matches!(r, Err(Error::Unavailable { store: "sqlite", .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::Unavailable {
+                store: "sqlite",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
     assert!(waited >= timeout, "waited the busy timeout, got {waited:?}");
     // Write once, then one reload and one more write (`max_ambiguous` 1), each bounded.
-    assert!(waited < timeout * 2 + Duration::from_secs(2), "bounded: {waited:?}");
+    assert!(
+        waited < timeout * 2 + Duration::from_secs(2),
+        "bounded: {waited:?}"
+    );
     // A duplicate needs no write: WAL readers are not blocked.
     assert!(matches!(
         store.acquire(&AcquireRequest::new(key("done"), "b")).await,
@@ -131,9 +169,16 @@ async fn a_missing_table_is_not_set_up() {
     Connection::open(&path).unwrap();
     let r = SqliteStore::open_with(&path, SqliteOptions::default().with_create(false)).await;
     match r {
-        Err(e @ Error::NotSetUp { store: "sqlite", .. }) => {
+        Err(
+            e @ Error::NotSetUp {
+                store: "sqlite", ..
+            },
+        ) => {
             let text = e.to_string();
-            assert!(text.contains("idem_records") && text.contains("CREATE TABLE"), "{text}");
+            assert!(
+                text.contains("idem_records") && text.contains("CREATE TABLE"),
+                "{text}"
+            );
         }
         other => panic!("expected NotSetUp, got {other:?}"),
     }
@@ -144,7 +189,10 @@ async fn a_missing_table_is_not_set_up() {
         .unwrap();
     acquired(&store, "k", "a").await;
     // Dropped under a running store.
-    Connection::open(&path).unwrap().execute_batch("DROP TABLE idem_records").unwrap();
+    Connection::open(&path)
+        .unwrap()
+        .execute_batch("DROP TABLE idem_records")
+        .unwrap();
     let r = store.get(&key("k")).await;
     assert!(matches!(r, Err(Error::NotSetUp { .. })), "{r:?}");
 }
@@ -154,13 +202,43 @@ async fn files_and_values_that_are_not_ours_are_refused() {
     let path = db_path("garbage");
     std::fs::write(&path, vec![0x5a; 8192]).unwrap();
     let r = SqliteStore::open(&path).await;
-    assert!(matches!(r, Err(Error::Backend { store: "sqlite", .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::Backend {
+                store: "sqlite",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
 
     let r = SqliteStore::open(db_path("x").join("in-a-missing-dir.db")).await;
-    assert!(matches!(r, Err(Error::Unavailable { store: "sqlite", .. })), "{r:?}");
-    let r = SqliteStore::open_with(db_path("absent"), SqliteOptions::default().with_create(false))
-        .await;
-    assert!(matches!(r, Err(Error::Unavailable { store: "sqlite", .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::Unavailable {
+                store: "sqlite",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let r = SqliteStore::open_with(
+        db_path("absent"),
+        SqliteOptions::default().with_create(false),
+    )
+    .await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::Unavailable {
+                store: "sqlite",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
 
     let path = db_path("foreign");
     let store = SqliteStore::open(&path).await.unwrap();
@@ -171,8 +249,19 @@ async fn files_and_values_that_are_not_ours_are_refused() {
             rusqlite::params![storage_key(&key("foreign")), b"not a record".to_vec()],
         )
         .unwrap();
-    let r = store.acquire(&AcquireRequest::new(key("foreign"), "a")).await;
-    assert!(matches!(r, Err(Error::CorruptRecord { store: "sqlite", .. })), "{r:?}");
+    let r = store
+        .acquire(&AcquireRequest::new(key("foreign"), "a"))
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::CorruptRecord {
+                store: "sqlite",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
 }
 
 #[tokio::test]

@@ -174,10 +174,7 @@ pub fn decode(store: &'static str, key: &IdempotencyKey, value: &[u8]) -> Result
     let token = FencingToken::new(r.u64().map_err(&corrupt)?);
     if state == TOMBSTONE {
         if !r.buf.is_empty() {
-            return Err(corrupt(format!(
-                "{} bytes after a tombstone",
-                r.buf.len()
-            )));
+            return Err(corrupt(format!("{} bytes after a tombstone", r.buf.len())));
         }
         return Ok(Stored::Tombstone(token));
     }
@@ -186,8 +183,7 @@ pub fn decode(store: &'static str, key: &IdempotencyKey, value: &[u8]) -> Result
         if flags & !(FLAG_FINGERPRINT | FLAG_LEASE | FLAG_RETENTION) != 0 {
             return Err(format!("unknown flags {flags:#04x}"));
         }
-        let attempts =
-            u32::try_from(r.varint()?).map_err(|_| "attempts over 2^32".to_owned())?;
+        let attempts = u32::try_from(r.varint()?).map_err(|_| "attempts over 2^32".to_owned())?;
         let created_at = r.time()?;
         let updated_at = r.time()?;
         let lease_expires_at = (flags & FLAG_LEASE != 0).then(|| r.time()).transpose()?;

@@ -32,11 +32,11 @@
 //! - A version is never reused for a key, including after the key was deleted and written
 //!   again (a counter, a random 64-bit start, a server revision): otherwise a worker that loaded
 //!   a value just before a delete could overwrite the value written after it.
-//! - Errors: [`Error::Unavailable`](crate::Error::Unavailable) when the backend could not be
+//! - Errors: [`Error::Unavailable`] when the backend could not be
 //!   reached or did not answer in time, so the operation may or may not have taken effect (the
-//!   kit then reloads, see below); [`Error::Backend`](crate::Error::Backend) when it answered
+//!   kit then reloads, see below); [`Error::Backend`] when it answered
 //!   with an error that retrying will not fix (a permission, a malformed request, a full
-//!   quota); [`Error::NotSetUp`](crate::Error::NotSetUp) when its table, bucket or schema is
+//!   quota); [`Error::NotSetUp`] when its table, bucket or schema is
 //!   missing. Never answer `Ok` for a write that did not happen.
 //!
 //! # What the kit does
@@ -56,7 +56,7 @@
 //! between the load and the write), the kit loads again and decides again on what it finds, as
 //! if the call had just started: the racers of a fresh key see the winner's record and answer
 //! `InProgress`. After [`KitOptions::max_conflicts`] conflicts in one call (the key changes
-//! faster than the call can decide) it gives up with [`Error::Unavailable`](crate::Error::Unavailable)
+//! faster than the call can decide) it gives up with [`Error::Unavailable`]
 //! whose source is [`Contended`]; nothing was written by that call.
 //!
 //! **Lost replies.** When `store` answers `Unavailable`, the write may have happened. The kit
@@ -65,9 +65,10 @@
 //! decides again on what it finds (a `complete` whose write happened and was followed by
 //! another change finds its own completion and answers `Ok` by the replay rule). At most
 //! [`KitOptions::max_ambiguous`] such reloads per call; then, or when the reload itself fails,
-//! the call answers the `Unavailable`. Every encoded value is unique to the call that wrote it
-//! (it carries a token no other acquisition has, and the time of the write), so equal bytes
-//! mean the kit's own write.
+//! the call answers the `Unavailable`. A record carries its token, which no other acquisition
+//! has, and the microsecond of the write, so equal bytes mean the call's own write, or that of a
+//! call with the same effect at the same microsecond (the same transition re-sent by the same
+//! holder, a second delete), which answers the same.
 //!
 //! **Tokens and tombstones.** A new token is `max(previous + 1, now in microseconds)`, where
 //! `previous` is the token of whatever the key holds: a live record, a record past retention
@@ -82,7 +83,7 @@
 //!
 //! **Clock.** Leases and retention are judged on [`CasBackend::now`] when the backend has a
 //! clock (a server's time, costing whatever asking for it costs, once per call), else on
-//! [`KitOptions::clock`], the client's clock ([`SystemClock`](crate::SystemClock) by default).
+//! [`KitOptions::clock`], the client's clock ([`SystemClock`] by default).
 //! With the client clock, every process using the store must agree on the time: a process
 //! whose clock runs `s` ahead takes over an expired lease up to `s` early and reads a record as
 //! past retention up to `s` early. Keep hosts synchronised (NTP keeps them within
@@ -97,11 +98,11 @@
 //!
 //! **Records.** The record encoding ([`encode`], [`decode`]) starts with a format byte; a value
 //! that is not a record of a known format (another program's data under the same key, a value
-//! cut short) is [`Error::CorruptRecord`](crate::Error::CorruptRecord), never a panic, and is
+//! cut short) is [`Error::CorruptRecord`], never a panic, and is
 //! left untouched.
 //!
 //! **Listing and purging** need to enumerate keys: [`CasBackend::scan`]. Without it
-//! (the default answers [`Error::Unsupported`](crate::Error::Unsupported)),
+//! (the default answers [`Error::Unsupported`]),
 //! [`list`](crate::IdempotencyStore::list) answers `Unsupported` and
 //! [`purge_expired`](crate::IdempotencyStore::purge_expired) answers `Ok(0)`: records past
 //! retention read as absent anyway, and stay (holding their token) until written over.
@@ -274,7 +275,7 @@ impl<B: CasBackend + ?Sized> CasBackend for Arc<B> {
 /// token's time.
 pub const DEFAULT_TOMBSTONE_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 
-/// The error inside [`Error::Unavailable`](crate::Error::Unavailable) when a call met more
+/// The error inside [`Error::Unavailable`] when a call met more
 /// version conflicts than [`KitOptions::max_conflicts`]: the key kept changing under it.
 /// Nothing was written by the call; retrying later is safe.
 #[derive(Clone, Copy, Debug, thiserror::Error)]

@@ -77,7 +77,11 @@ impl<B: CasBackend> KitStore<B> {
         })
     }
 
-    fn decode(&self, key: &IdempotencyKey, loaded: &Option<Versioned<B::Version>>) -> Result<Option<Stored>> {
+    fn decode(
+        &self,
+        key: &IdempotencyKey,
+        loaded: &Option<Versioned<B::Version>>,
+    ) -> Result<Option<Stored>> {
         loaded
             .as_ref()
             .map(|v| codec::decode(self.backend.name(), key, &v.value))
@@ -176,10 +180,9 @@ impl<B: CasBackend> IdempotencyStore for KitStore<B> {
             let previous = stored.map(Stored::token);
             let record = stored.and_then(Stored::record);
             match machine::acquire(record, req, now, || next_token(previous, now)) {
-                AcquireDecision::Write(record, outcome) => Ok(Step::Write(
-                    codec::encode(&Stored::Record(record)),
-                    outcome,
-                )),
+                AcquireDecision::Write(record, outcome) => {
+                    Ok(Step::Write(codec::encode(&Stored::Record(record)), outcome))
+                }
                 AcquireDecision::Keep(outcome) => Ok(Step::Answer(outcome)),
             }
         })

@@ -296,6 +296,16 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         }
     }
 
+    /// Calls the dead-letter hook, if any, for a failure that used the last attempt of `lease`
+    /// and counts it (`idem_dead_lettered`); a panicking hook is caught and logged.
+    ///
+    /// The executor calls it itself; a component that records failures outside this
+    /// executor's run loop on its configuration (the PostgreSQL in-transaction mode, say)
+    /// calls it so that the hook fires there too.
+    pub fn notify_dead_letter(&self, lease: &idem_core::Lease, error: &str, panicked: bool) {
+        self.dead_letter(lease, error, panicked);
+    }
+
     /// Calls the dead-letter hook, if any, for the failure that used the last attempt.
     fn dead_letter(&self, lease: &idem_core::Lease, error: &str, panicked: bool) {
         let Some(hook) = &self.inner.dead_letter else {

@@ -1,5 +1,6 @@
-//! Test helpers: broker and Redis endpoints from the environment, random topic and group names,
-//! topic creation, producing, reading a topic back, committed offsets.
+//! Test helpers: whether the broker and Redis answer (every test starts with [`kafka_and_redis`]
+//! or [`kafka_only`]), random topic and group names, topic creation, producing, reading a topic
+//! back, committed offsets.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
 use std::collections::BTreeMap;
@@ -9,8 +10,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use idem_conformance::servers;
 use idem_core::DynStore;
-use idem_core::executor::{Executor, ExecutorConfig, JsonCodec};
+use idem_executor::{Executor, ExecutorConfig, JsonCodec};
 
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use idem_kafka::rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
@@ -21,14 +23,31 @@ use idem_redis::{RedisConfig, RedisStore};
 pub const BROKERS_VAR: &str = "IDEM_KAFKA_BROKERS";
 pub const TANSU_VAR: &str = "IDEM_TANSU_BIN";
 pub const REDIS_VAR: &str = "IDEM_REDIS_URL";
+const DEFAULT_BROKERS: &str = "127.0.0.1:9092";
+const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+/// The suite named in the "skipped" line.
+const SUITE: &str = "kafka";
+
+/// Whether a broker answers at `IDEM_KAFKA_BROKERS` and Redis at `IDEM_REDIS_URL`. When one does
+/// not: outside CI, one "skipped" line for the suite and `false` (the test returns at once); with
+/// `CI=true`, a panic naming the variable.
+pub fn kafka_and_redis() -> bool {
+    kafka_only() && servers::endpoint(SUITE, REDIS_VAR, DEFAULT_REDIS_URL).is_some()
+}
+
+/// Whether a broker answers at `IDEM_KAFKA_BROKERS`, for the tests that need no Redis; skips or
+/// fails as [`kafka_and_redis`].
+pub fn kafka_only() -> bool {
+    servers::endpoint(SUITE, BROKERS_VAR, DEFAULT_BROKERS).is_some()
+}
 
 /// The broker list under test (default `127.0.0.1:9092`).
 pub fn brokers() -> String {
-    std::env::var(BROKERS_VAR).unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
+    std::env::var(BROKERS_VAR).unwrap_or_else(|_| DEFAULT_BROKERS.to_owned())
 }
 
 pub fn redis_url() -> String {
-    std::env::var(REDIS_VAR).unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+    std::env::var(REDIS_VAR).unwrap_or_else(|_| DEFAULT_REDIS_URL.to_owned())
 }
 
 /// A name no other run uses.
@@ -46,8 +65,9 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// Fails (never skips) when no broker answers, naming the variable and the services script.
-pub fn require_broker() {
+/// Fails when the broker does not answer the metadata request (the test already checked that
+/// something listens there), naming the variable and the services script.
+fn require_broker() {
     let brokers = brokers();
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &brokers)
@@ -299,7 +319,7 @@ pub fn consumer_config(group: &str) -> ClientConfig {
     c
 }
 
-/// A Redis store under a fresh prefix; fails (never skips) when Redis is missing.
+/// A Redis store under a fresh prefix (the test checked that Redis answers).
 pub async fn redis_store(prefix: &str) -> RedisStore {
     let url = redis_url();
     RedisStore::connect_with(&url, RedisConfig::default().with_prefix(prefix))

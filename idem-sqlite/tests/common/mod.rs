@@ -19,19 +19,18 @@ pub(crate) fn db_path(name: &str) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
     let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("idem-sqlite");
     let mine = root.join(std::process::id().to_string());
-    if N.fetch_add(1, Ordering::SeqCst) == 0 {
-        if let Ok(dirs) = std::fs::read_dir(&root) {
-            for dir in dirs.flatten() {
-                let pid = dir.file_name();
-                let alive = PathBuf::from("/proc").join(&pid).exists();
-                if !alive {
-                    let _ = std::fs::remove_dir_all(dir.path());
-                }
+    let n = N.fetch_add(1, Ordering::SeqCst);
+    if n == 0
+        && let Ok(dirs) = std::fs::read_dir(&root)
+    {
+        for dir in dirs.flatten() {
+            let alive = PathBuf::from("/proc").join(dir.file_name()).exists();
+            if !alive {
+                let _ = std::fs::remove_dir_all(dir.path());
             }
         }
     }
     std::fs::create_dir_all(&mine).expect("test directory");
-    let n = N.fetch_add(1, Ordering::SeqCst);
     mine.join(format!("{name}-{n}.db"))
 }
 

@@ -1,0 +1,167 @@
+//! The message the handler receives.
+
+use std::sync::Arc;
+
+use lapin::BasicProperties;
+use lapin::message::Delivery;
+use lapin::types::{AMQPValue, FieldTable};
+
+/// One delivery from the work queue, as the handler sees it: the body, the properties (headers
+/// included) and where it came from. Cheap to clone (shared behind an `Arc`).
+///
+/// Implements [`idem_executor::Message`]: [`header`](idem_executor::Message::header) reads the
+/// header table by exact (case-sensitive) name and gives the bytes of a string value
+/// (`LongString`, `ShortString`) or a byte array; headers of other types (numbers, tables) read
+/// as absent there and are available through [`header_value`](Self::header_value).
+/// [`message_key`](idem_executor::Message::message_key) is the `message_id` property.
+#[derive(Clone, Debug)]
+pub struct AmqpMessage {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    body: Vec<u8>,
+    properties: BasicProperties,
+    exchange: String,
+    routing_key: String,
+    redelivered: bool,
+    delivery_tag: u64,
+    queue: Arc<str>,
+}
+
+impl AmqpMessage {
+    /// Takes the body and properties out of a delivery (the acker stays with the runner).
+    pub(crate) fn from_delivery(delivery: &mut Delivery, queue: Arc<str>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                body: std::mem::take(&mut delivery.data),
+                properties: std::mem::take(&mut delivery.properties),
+                exchange: delivery.exchange.as_str().to_owned(),
+                routing_key: delivery.routing_key.as_str().to_owned(),
+                redelivered: delivery.redelivered,
+                delivery_tag: delivery.delivery_tag,
+                queue,
+            }),
+        }
+    }
+
+    /// A message built by hand, for tests of handlers.
+    pub fn new(body: impl Into<Vec<u8>>, properties: BasicProperties) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                body: body.into(),
+                properties,
+                exchange: String::new(),
+                routing_key: String::new(),
+                redelivered: false,
+                delivery_tag: 0,
+                queue: Arc::from(""),
+            }),
+        }
+    }
+
+    /// The message body.
+    pub fn body(&self) -> &[u8] {
+        &self.inner.body
+    }
+
+    /// The message properties (content type, headers, `message_id`, ...).
+    pub fn properties(&self) -> &BasicProperties {
+        &self.inner.properties
+    }
+
+    /// The header table, when the message has one.
+    pub fn headers(&self) -> Option<&FieldTable> {
+        self.inner.properties.headers().as_ref()
+    }
+
+    /// The value of the header `name` whatever its type (exact name).
+    pub fn header_value(&self, name: &str) -> Option<&AMQPValue> {
+        self.headers()?.inner().get(name)
+    }
+
+    /// The exchange the message was published to (empty for the default exchange, which is
+    /// where delayed retries come back from).
+    pub fn exchange(&self) -> &str {
+        &self.inner.exchange
+    }
+
+    /// The routing key it was published with.
+    pub fn routing_key(&self) -> &str {
+        &self.inner.routing_key
+    }
+
+    /// Whether the broker flagged the delivery as a redelivery (it was delivered before and not
+    /// acknowledged: a consumer crashed or its channel closed). Delayed retries are new
+    /// publications and are not flagged.
+    pub fn redelivered(&self) -> bool {
+        self.inner.redelivered
+    }
+
+    /// The delivery tag on the runner's channel.
+    pub fn delivery_tag(&self) -> u64 {
+        self.inner.delivery_tag
+    }
+
+    /// The queue it was consumed from.
+    pub fn queue(&self) -> &str {
+        &self.inner.queue
+    }
+}
+
+impl idem_executor::Message for AmqpMessage {
+    fn payload(&self) -> &[u8] {
+        &self.inner.body
+    }
+
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        match self.header_value(name)? {
+            AMQPValue::LongString(s) => Some(s.as_bytes()),
+            AMQPValue::ShortString(s) => Some(s.as_str().as_bytes()),
+            AMQPValue::ByteArray(b) => Some(b.as_slice()),
+            _ => None,
+        }
+    }
+
+    fn message_key(&self) -> Option<&[u8]> {
+        self.inner
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.as_str().as_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_executor::Message;
+    use lapin::types::{LongString, ShortString};
+
+    use super::*;
+
+    #[test]
+    fn headers_are_read_by_exact_name_and_string_type() {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("idempotency-key"),
+            AMQPValue::LongString(LongString::from("tx-1")),
+        );
+        headers.insert(
+            ShortString::from("short"),
+            AMQPValue::ShortString(ShortString::from("s")),
+        );
+        headers.insert(ShortString::from("n"), AMQPValue::LongLongInt(3));
+        let props = BasicProperties::default()
+            .with_headers(headers)
+            .with_message_id(ShortString::from("m-1"));
+        let msg = AmqpMessage::new(b"{}".to_vec(), props);
+        assert_eq!(msg.header("idempotency-key"), Some(&b"tx-1"[..]));
+        assert_eq!(msg.header("Idempotency-Key"), None, "names are exact");
+        assert_eq!(msg.header("short"), Some(&b"s"[..]));
+        assert_eq!(msg.header("n"), None, "not a string");
+        assert_eq!(msg.header_value("n"), Some(&AMQPValue::LongLongInt(3)));
+        assert_eq!(msg.message_key(), Some(&b"m-1"[..]));
+        assert_eq!(msg.payload(), b"{}");
+    }
+}

@@ -1,0 +1,239 @@
+//! Runner options.
+
+use std::time::Duration;
+
+use crate::error::RunnerError;
+
+/// Options of an [`AmqpRunner`](crate::AmqpRunner). Every field has a default; set them with the
+/// `with_*` methods.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_amqp::RunnerOptions;
+///
+/// let options = RunnerOptions::default()
+///     .with_prefetch(32)
+///     .with_retry_delays(Duration::from_millis(100), Duration::from_secs(10));
+/// # let _ = options;
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RunnerOptions {
+    /// The channel's prefetch count (`basic.qos`, default 16): the deliveries the broker sends
+    /// ahead of their acknowledgements, and so the messages processed at once. Each runs in its
+    /// own task.
+    pub prefetch: u16,
+    /// Shortest delay of a retry (default 100 ms), so a hint of zero never spins.
+    pub min_retry_delay: Duration,
+    /// Longest delay of a retry (default 30 s): a key held by a live lease is looked at again at
+    /// least this often. Also the most a retry can be held up by the ones ahead of it in the
+    /// retry queue (the broker expires messages at the head of a queue only).
+    pub max_retry_delay: Duration,
+    /// Longest wait for the broker to confirm a retry or dead-letter publication (default 30 s).
+    pub publish_timeout: Duration,
+    /// How long a handler may go on after its delivery was lost (its channel or connection
+    /// closed, or the drain timed out) before it is dropped (default 10 s). It is signalled
+    /// through its context's cancellation token half-way. Its lease is never released once it
+    /// started: if it still has to be dropped, the lease expires and the next owner takes the key
+    /// over.
+    pub orphan_timeout: Duration,
+    /// Longest wait for one lease release (default 5 s; must be below
+    /// [`orphan_timeout`](Self::orphan_timeout)). Only the leases of deliveries whose handler had
+    /// not started when the delivery was lost are released.
+    pub release_timeout: Duration,
+    /// Longest wait at shutdown for the deliveries in process to finish (default 30 s); the ones
+    /// still running then are treated as lost deliveries (see
+    /// [`orphan_timeout`](Self::orphan_timeout)).
+    pub drain_timeout: Duration,
+    /// First delay before reconnecting after the connection or channel was lost (default
+    /// 100 ms); it doubles at each failed attempt up to
+    /// [`max_reconnect_delay`](Self::max_reconnect_delay).
+    pub min_reconnect_delay: Duration,
+    /// Longest delay between two reconnection attempts (default 5 s). The runner retries until
+    /// it is shut down.
+    pub max_reconnect_delay: Duration,
+    /// The consumer tag (default empty: the broker names the consumer).
+    pub consumer_tag: String,
+}
+
+impl Default for RunnerOptions {
+    fn default() -> Self {
+        Self {
+            prefetch: 16,
+            min_retry_delay: Duration::from_millis(100),
+            max_retry_delay: Duration::from_secs(30),
+            publish_timeout: Duration::from_secs(30),
+            orphan_timeout: Duration::from_secs(10),
+            release_timeout: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(30),
+            min_reconnect_delay: Duration::from_millis(100),
+            max_reconnect_delay: Duration::from_secs(5),
+            consumer_tag: String::new(),
+        }
+    }
+}
+
+impl RunnerOptions {
+    /// Sets [`prefetch`](Self::prefetch).
+    pub fn with_prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Sets [`min_retry_delay`](Self::min_retry_delay) and [`max_retry_delay`](Self::max_retry_delay).
+    pub fn with_retry_delays(mut self, min: Duration, max: Duration) -> Self {
+        self.min_retry_delay = min;
+        self.max_retry_delay = max;
+        self
+    }
+
+    /// Sets [`publish_timeout`](Self::publish_timeout).
+    pub fn with_publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
+    /// Sets [`orphan_timeout`](Self::orphan_timeout).
+    pub fn with_orphan_timeout(mut self, timeout: Duration) -> Self {
+        self.orphan_timeout = timeout;
+        self
+    }
+
+    /// Sets [`release_timeout`](Self::release_timeout).
+    pub fn with_release_timeout(mut self, timeout: Duration) -> Self {
+        self.release_timeout = timeout;
+        self
+    }
+
+    /// Sets [`drain_timeout`](Self::drain_timeout).
+    pub fn with_drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// Sets [`min_reconnect_delay`](Self::min_reconnect_delay) and
+    /// [`max_reconnect_delay`](Self::max_reconnect_delay).
+    pub fn with_reconnect_delays(mut self, min: Duration, max: Duration) -> Self {
+        self.min_reconnect_delay = min;
+        self.max_reconnect_delay = max;
+        self
+    }
+
+    /// Sets [`consumer_tag`](Self::consumer_tag).
+    pub fn with_consumer_tag(mut self, tag: impl Into<String>) -> Self {
+        self.consumer_tag = tag.into();
+        self
+    }
+
+    /// The delay of a retry, from the outcome's hint.
+    pub(crate) fn retry_delay(&self, hint: Duration) -> Duration {
+        hint.clamp(self.min_retry_delay, self.max_retry_delay)
+    }
+
+    /// The reconnection delay after `failures` failed attempts in a row.
+    pub(crate) fn reconnect_delay(&self, failures: u32) -> Duration {
+        self.min_reconnect_delay
+            .saturating_mul(2u32.saturating_pow(failures.min(16)))
+            .min(self.max_reconnect_delay)
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), RunnerError> {
+        if self.prefetch == 0 {
+            return Err(RunnerError::config(
+                "prefetch",
+                "must be at least 1 (0 means unlimited to the broker)",
+            ));
+        }
+        if self.min_retry_delay.is_zero() || self.min_retry_delay > self.max_retry_delay {
+            return Err(RunnerError::config(
+                "retry_delay",
+                format!(
+                    "min {:?} must be above zero and at most max {:?}",
+                    self.min_retry_delay, self.max_retry_delay
+                ),
+            ));
+        }
+        if self.max_retry_delay.as_millis() > u128::from(u32::MAX) {
+            return Err(RunnerError::config(
+                "retry_delay",
+                "max must fit a message expiration (at most 2^32 - 1 ms)",
+            ));
+        }
+        if self.min_reconnect_delay.is_zero() || self.min_reconnect_delay > self.max_reconnect_delay
+        {
+            return Err(RunnerError::config(
+                "reconnect_delay",
+                format!(
+                    "min {:?} must be above zero and at most max {:?}",
+                    self.min_reconnect_delay, self.max_reconnect_delay
+                ),
+            ));
+        }
+        for (field, d) in [
+            ("publish_timeout", self.publish_timeout),
+            ("orphan_timeout", self.orphan_timeout),
+            ("release_timeout", self.release_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(RunnerError::config(field, "must be above zero"));
+            }
+        }
+        if self.release_timeout >= self.orphan_timeout {
+            return Err(RunnerError::config(
+                "release_timeout",
+                format!(
+                    "{:?} must be below orphan_timeout {:?}: a release runs within it",
+                    self.release_timeout, self.orphan_timeout
+                ),
+            ));
+        }
+        if self.consumer_tag.len() > 255 {
+            return Err(RunnerError::config(
+                "consumer_tag",
+                "AMQP names are at most 255 bytes",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_are_clamped_and_bounded() {
+        let o = RunnerOptions::default();
+        assert_eq!(o.retry_delay(Duration::ZERO), Duration::from_millis(100));
+        assert_eq!(o.retry_delay(Duration::from_secs(2)), Duration::from_secs(2));
+        assert_eq!(o.retry_delay(Duration::from_secs(90)), Duration::from_secs(30));
+        assert_eq!(o.reconnect_delay(0), Duration::from_millis(100));
+        assert_eq!(o.reconnect_delay(3), Duration::from_millis(800));
+        assert_eq!(o.reconnect_delay(1000), Duration::from_secs(5));
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        assert!(RunnerOptions::default().validate().is_ok());
+        let field = |o: RunnerOptions| match o.validate() {
+            Err(RunnerError::Config { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(RunnerOptions::default().with_prefetch(0)), "prefetch");
+        assert_eq!(
+            field(
+                RunnerOptions::default()
+                    .with_retry_delays(Duration::from_secs(2), Duration::from_secs(1))
+            ),
+            "retry_delay"
+        );
+        assert_eq!(
+            field(RunnerOptions::default().with_orphan_timeout(Duration::from_secs(5))),
+            "release_timeout"
+        );
+        assert_eq!(
+            field(RunnerOptions::default().with_reconnect_delays(Duration::ZERO, Duration::ZERO)),
+            "reconnect_delay"
+        );
+    }
+}

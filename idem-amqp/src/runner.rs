@@ -1,0 +1,636 @@
+//! The runner: builder, connection loop, delivery tasks, drain.
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
+use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{Acker, Channel, Connection, ConnectionProperties, Consumer};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::dead_letter::{self, DeadLetterInfo};
+use crate::error::RunnerError;
+use crate::execute::{Execution, LostTimeouts, Step, outcome_name};
+use crate::message::AmqpMessage;
+use crate::options::RunnerOptions;
+use crate::publish::{Publisher, republished};
+use crate::stats::{RunnerStats, metric_names as m};
+use crate::topology::{QueueTopology, name};
+
+/// Pause between two tries of a dead-letter publication that failed.
+const DEAD_LETTER_RETRY: Duration = Duration::from_secs(1);
+/// Longest wait for a channel or connection to close, or the consumer to be cancelled.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs a handler over a RabbitMQ queue through an [`Executor`], acknowledging each delivery
+/// only once its outcome is settled. See the [crate docs](crate) for the exact semantics.
+///
+/// Build it with [`AmqpRunner::builder`], then [`run`](Self::run) it until a shutdown signal.
+/// `R` is the executor's [`Recorder`]: the handler returns `R::Returns<T>` (`T` on a plain
+/// executor, a [`Commit`](idem_executor::Commit) on a transactional one).
+pub struct AmqpRunner<H, T, C = JsonCodec, R = Plain> {
+    uri: String,
+    properties: ConnectionProperties,
+    common: Arc<Common<H, C, R>>,
+    _result: PhantomData<fn() -> T>,
+}
+
+impl<H, T, C, R> std::fmt::Debug for AmqpRunner<H, T, C, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpRunner")
+            .field("topology", &self.common.topology)
+            .field("options", &self.common.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds an [`AmqpRunner`].
+#[must_use]
+pub struct AmqpRunnerBuilder<H, T, C = JsonCodec, R = Plain> {
+    uri: String,
+    properties: ConnectionProperties,
+    topology: QueueTopology,
+    options: RunnerOptions,
+    executor: Executor<C, R>,
+    handler: H,
+    _result: PhantomData<fn() -> T>,
+}
+
+impl<H, T, C, R> std::fmt::Debug for AmqpRunnerBuilder<H, T, C, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpRunnerBuilder")
+            .field("topology", &self.topology)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What every delivery task shares.
+struct Common<H, C, R> {
+    execution: Execution<H, C, R>,
+    topology: QueueTopology,
+    queue: Arc<str>,
+    options: RunnerOptions,
+    stats: Arc<RunnerStats>,
+}
+
+impl<H, T, C, R> AmqpRunner<H, T, C, R>
+where
+    H: Handler<AmqpMessage, R::Returns<T>>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    /// A builder over the broker's URI (`amqp://user:password@host:5672/vhost`, `%2f` for the
+    /// default vhost `/`), the queue topology, the executor and the handler.
+    pub fn builder(
+        uri: impl Into<String>,
+        topology: QueueTopology,
+        executor: Executor<C, R>,
+        handler: H,
+    ) -> AmqpRunnerBuilder<H, T, C, R> {
+        AmqpRunnerBuilder {
+            uri: uri.into(),
+            properties: ConnectionProperties::default(),
+            topology,
+            options: RunnerOptions::default(),
+            executor,
+            handler,
+            _result: PhantomData,
+        }
+    }
+
+    /// The live counters, to watch the runner while it runs.
+    pub fn stats(&self) -> Arc<RunnerStats> {
+        Arc::clone(&self.common.stats)
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &RunnerOptions {
+        &self.common.options
+    }
+
+    /// The topology in force.
+    pub fn topology(&self) -> &QueueTopology {
+        &self.common.topology
+    }
+
+    /// Connects, declares the topology (or checks the work queue), consumes until `shutdown`
+    /// completes, then drains: `basic.cancel` (no new delivery), the deliveries in process finish
+    /// (up to [`drain_timeout`](RunnerOptions::drain_timeout), then they are treated as lost),
+    /// deliveries that arrive meanwhile are given back (`basic.nack` with requeue), and the
+    /// channels and the connection are closed (the broker requeues whatever is unacknowledged).
+    ///
+    /// A connection or channel lost while running is opened again, with a delay from
+    /// [`min_reconnect_delay`](RunnerOptions::min_reconnect_delay) doubling up to
+    /// [`max_reconnect_delay`](RunnerOptions::max_reconnect_delay), until it works or `shutdown`
+    /// completes; the deliveries of the lost channel are handled as the crate docs say
+    /// ([lost deliveries](crate#lost-deliveries)).
+    ///
+    /// Must be called within a Tokio runtime. Dropping the returned future drops the connection
+    /// without a drain.
+    ///
+    /// # Errors
+    /// [`RunnerError::Amqp`] when the *first* connection, the declarations or `basic.consume`
+    /// fail (a wrong URI, credentials, a queue declared with other arguments): later failures
+    /// are retried.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RunnerError> {
+        let stop = CancellationToken::new();
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut main = std::pin::pin!(self.consume_until(stop.clone()));
+        tokio::select! {
+            result = &mut main => return result,
+            () = &mut shutdown => {
+                tracing::info!(queue = %self.common.queue, "shutdown requested: draining");
+                stop.cancel();
+            }
+        }
+        let result = main.await;
+        tracing::info!(queue = %self.common.queue, "amqp runner stopped");
+        result
+    }
+
+    async fn consume_until(&self, stop: CancellationToken) -> Result<(), RunnerError> {
+        let mut failures = 0u32;
+        let mut connected = false;
+        loop {
+            let opened = tokio::select! {
+                biased;
+                () = stop.cancelled() => return Ok(()),
+                opened = self.open() => opened,
+            };
+            match opened {
+                Ok(session) => {
+                    failures = 0;
+                    connected = true;
+                    tracing::info!(queue = %self.common.queue, "amqp runner consuming");
+                    match self.consume(session, &stop).await {
+                        None => return Ok(()),
+                        Some(why) => {
+                            RunnerStats::count(&self.common.stats.reconnects, m::RECONNECTS);
+                            tracing::warn!(queue = %self.common.queue, %why, "connection or channel lost: reconnecting");
+                        }
+                    }
+                }
+                Err(e) if !connected => return Err(e),
+                Err(e) => {
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(queue = %self.common.queue, error = %e, failures, "reconnection failed");
+                }
+            }
+            let delay = self.common.options.reconnect_delay(failures);
+            tokio::select! {
+                biased;
+                () = stop.cancelled() => return Ok(()),
+                () = tokio::time::sleep(delay) => {}
+            }
+        }
+    }
+
+    /// A connection, its topology declared, a consuming channel and a publishing channel.
+    async fn open(&self) -> Result<Session, RunnerError> {
+        let common = &self.common;
+        let connection = Arc::new(
+            Connection::connect(&self.uri, self.properties.clone())
+                .await
+                .map_err(|e| RunnerError::amqp("connecting", e))?,
+        );
+        // Declarations on a channel of their own: a refused one closes its channel.
+        let declare = connection
+            .create_channel()
+            .await
+            .map_err(|e| RunnerError::amqp("opening a channel", e))?;
+        common.topology.declare_on(&declare).await?;
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, declare.close(200, "declared".into())).await;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| RunnerError::amqp("opening the consuming channel", e))?;
+        channel
+            .basic_qos(common.options.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(|e| RunnerError::amqp("setting the prefetch (basic.qos)", e))?;
+        let consumer = channel
+            .basic_consume(
+                name(&common.topology.queue),
+                ShortString::from(common.options.consumer_tag.as_str()),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| {
+                RunnerError::amqp(format!("consuming from {}", common.topology.queue), e)
+            })?;
+        let publisher = Arc::new(Publisher::new(
+            Arc::clone(&connection),
+            common.options.publish_timeout,
+        ));
+        Ok(Session {
+            connection,
+            channel,
+            consumer,
+            publisher,
+            lost: CancellationToken::new(),
+        })
+    }
+
+    /// Consumes on `session` until it is lost (`Some(why)`) or `stop` (`None`, after the drain).
+    async fn consume(&self, mut session: Session, stop: &CancellationToken) -> Option<String> {
+        let mut tasks = JoinSet::new();
+        let lost = loop {
+            tokio::select! {
+                biased;
+                () = stop.cancelled() => break None,
+                Some(joined) = tasks.join_next(), if !tasks.is_empty() => report(joined),
+                next = session.consumer.next() => match next {
+                    Some(Ok(delivery)) => {
+                        RunnerStats::bump(&self.common.stats.received);
+                        tasks.spawn(deliver(
+                            Arc::clone(&self.common),
+                            Arc::clone(&session.publisher),
+                            delivery,
+                            session.lost.clone(),
+                        ));
+                    }
+                    Some(Err(e)) => break Some(e.to_string()),
+                    None => break Some("the broker cancelled the consumer (queue deleted?)".to_owned()),
+                },
+            }
+        };
+        match lost {
+            Some(why) => {
+                // The in-flight deliveries cannot be acknowledged any more: the broker requeues
+                // them. Their tasks go on by themselves (see `Execution::try_once`).
+                session.lost.cancel();
+                tasks.detach_all();
+                let connection = Arc::clone(&session.connection);
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(
+                        CLOSE_TIMEOUT,
+                        connection.close(200, "channel lost".into()),
+                    )
+                    .await;
+                });
+                Some(why)
+            }
+            None => {
+                self.drain(&mut session, tasks).await;
+                None
+            }
+        }
+    }
+
+    async fn drain(&self, session: &mut Session, mut tasks: JoinSet<()>) {
+        let options = &self.common.options;
+        let tag = session.consumer.tag();
+        if let Err(e) = tokio::time::timeout(
+            CLOSE_TIMEOUT,
+            session
+                .channel
+                .basic_cancel(tag, BasicCancelOptions::default()),
+        )
+        .await
+        .unwrap_or_else(|_| Err(lapin::ErrorKind::InvalidChannelState(lapin::ChannelState::Closing, "basic.cancel timed out").into()))
+        {
+            tracing::warn!(error = %e, "basic.cancel failed; closing the channel gives the deliveries back");
+        }
+        let mut consuming = true;
+        let deadline = tokio::time::sleep(options.drain_timeout);
+        tokio::pin!(deadline);
+        let mut timed_out = false;
+        loop {
+            tokio::select! {
+                biased;
+                joined = tasks.join_next() => match joined {
+                    Some(joined) => report(joined),
+                    None => break,
+                },
+                next = session.consumer.next(), if consuming => match next {
+                    Some(Ok(delivery)) => {
+                        // Arrived after the cancel: give it back at once.
+                        let nack = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() });
+                        if !matches!(nack.await, Ok(true)) {
+                            RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
+                        }
+                    }
+                    _ => consuming = false,
+                },
+                () = &mut deadline => {
+                    if timed_out {
+                        tracing::error!(left = tasks.len(), "delivery tasks did not end within the orphan timeout: aborted");
+                        tasks.abort_all();
+                        // Far enough for the aborted tasks to be joined.
+                        deadline.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(3600));
+                    } else {
+                        tracing::warn!(
+                            left = tasks.len(),
+                            "drain timeout: the deliveries still in process are treated as lost (handlers not started release their leases; running ones are signalled, then dropped with their leases left to expire)"
+                        );
+                        timed_out = true;
+                        session.lost.cancel();
+                        // Each task drops itself within the orphan timeout.
+                        deadline.as_mut().reset(tokio::time::Instant::now() + options.orphan_timeout);
+                    }
+                }
+            }
+        }
+        session.publisher.close().await;
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, session.channel.close(200, "shutdown".into())).await;
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, session.connection.close(200, "shutdown".into())).await;
+    }
+}
+
+/// Logs a delivery task that panicked (the delivery stays unacknowledged until the channel
+/// closes).
+fn report(joined: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = joined
+        && e.is_panic()
+    {
+        tracing::error!(error = %e, "a delivery task panicked; its delivery stays unacknowledged until the channel closes");
+    }
+}
+
+/// One connection and what the runner opened on it.
+struct Session {
+    connection: Arc<Connection>,
+    channel: Channel,
+    consumer: Consumer,
+    publisher: Arc<Publisher>,
+    /// Cancelled when the session is lost (or the drain timed out).
+    lost: CancellationToken,
+}
+
+impl<H, T, C, R> AmqpRunnerBuilder<H, T, C, R>
+where
+    H: Handler<AmqpMessage, R::Returns<T>>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    /// Replaces the options.
+    pub fn options(mut self, options: RunnerOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Changes the options in place, e.g. `.configure(|o| o.with_prefetch(4))`.
+    pub fn configure(mut self, f: impl FnOnce(RunnerOptions) -> RunnerOptions) -> Self {
+        self.options = f(self.options);
+        self
+    }
+
+    /// lapin's connection properties (connection name, client properties, authentication
+    /// provider). The runner reconnects by itself: leave lapin's own recovery off.
+    pub fn connection_properties(mut self, properties: ConnectionProperties) -> Self {
+        self.properties = properties;
+        self
+    }
+
+    /// Validates the options and the topology.
+    ///
+    /// # Errors
+    /// [`RunnerError::Config`] naming the bad option or name.
+    pub fn build(self) -> Result<AmqpRunner<H, T, C, R>, RunnerError> {
+        self.options.validate()?;
+        self.topology.validate()?;
+        if self.uri.is_empty() {
+            return Err(RunnerError::config("uri", "is empty"));
+        }
+        let queue: Arc<str> = Arc::from(self.topology.queue.as_str());
+        Ok(AmqpRunner {
+            uri: self.uri,
+            properties: self.properties,
+            common: Arc::new(Common {
+                execution: Execution::new(self.executor, self.handler),
+                topology: self.topology,
+                queue,
+                options: self.options,
+                stats: Arc::new(RunnerStats::default()),
+            }),
+            _result: PhantomData,
+        })
+    }
+}
+
+/// Processes one delivery to its end: an executor call, then the ack, the delayed retry or the
+/// dead letter.
+async fn deliver<H, T, C, R>(
+    common: Arc<Common<H, C, R>>,
+    publisher: Arc<Publisher>,
+    mut delivery: lapin::message::Delivery,
+    lost: CancellationToken,
+) where
+    H: Handler<AmqpMessage, R::Returns<T>>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    let msg = AmqpMessage::from_delivery(&mut delivery, Arc::clone(&common.queue));
+    let acker = delivery.acker;
+    let span = tracing::debug_span!(
+        "idem_amqp_delivery",
+        queue = %common.queue,
+        delivery_tag = msg.delivery_tag(),
+        redelivered = msg.redelivered(),
+        outcome = tracing::field::Empty,
+    );
+    Delivery {
+        common: &common,
+        publisher: &publisher,
+        acker,
+        lost: &lost,
+    }
+    .process::<T>(&msg)
+    .instrument(span)
+    .await;
+}
+
+struct Delivery<'a, H, C, R> {
+    common: &'a Common<H, C, R>,
+    publisher: &'a Publisher,
+    acker: Acker,
+    lost: &'a CancellationToken,
+}
+
+impl<H, C, R> Delivery<'_, H, C, R>
+where
+    C: Codec,
+    R: Recorder,
+{
+    async fn process<T>(&self, msg: &AmqpMessage)
+    where
+        H: Handler<AmqpMessage, R::Returns<T>>,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        R::Returns<T>: Send + 'static,
+    {
+        let common = self.common;
+        let options = &common.options;
+        let timeouts = LostTimeouts {
+            orphan: options.orphan_timeout,
+            release: options.release_timeout,
+        };
+        let step = common
+            .execution
+            .try_once(msg, self.lost, timeouts, &common.stats)
+            .await;
+        let (result, attempt) = match step {
+            Step::Abandoned => return self.abandoned("lost before its outcome"),
+            Step::Done { result, attempt } => (result, attempt),
+        };
+        let outcome = outcome_name(&result);
+        tracing::Span::current().record("outcome", outcome);
+        if self.lost.is_cancelled() {
+            // The outcome is recorded (or not) in the store; the redelivery replays it.
+            return self.abandoned(outcome);
+        }
+        match BrokerAction::of(&result) {
+            BrokerAction::Ack => {
+                let stats = &common.stats;
+                match &result {
+                    Ok(Outcome::Executed(_)) => RunnerStats::count(&stats.executed, m::EXECUTED),
+                    Ok(Outcome::Replayed(_)) => RunnerStats::count(&stats.replayed, m::REPLAYED),
+                    _ => RunnerStats::bump(&stats.acked_other),
+                }
+                self.ack().await;
+                tracing::debug!(outcome, "acknowledged");
+            }
+            BrokerAction::DeadLetter { reason, error } => {
+                let info = dead_letter::classify(&result, reason, error, attempt);
+                drop(result);
+                // The outcome is final: only the publication is tried again, never the
+                // executor call (which, for an un-deduplicated message, would run the handler
+                // again).
+                self.dead_letter_until_published(msg, &info).await;
+            }
+            BrokerAction::Retry { after } => {
+                drop(result);
+                self.retry(msg, options.retry_delay(after), outcome).await;
+            }
+            _ => {
+                drop(result);
+                self.retry(msg, options.min_retry_delay, outcome).await;
+            }
+        }
+    }
+
+    fn abandoned(&self, outcome: &str) {
+        RunnerStats::count(&self.common.stats.abandoned, m::ABANDONED);
+        tracing::debug!(
+            outcome,
+            "delivery lost (channel closed or drain timed out): left to the broker's redelivery"
+        );
+    }
+
+    async fn ack(&self) {
+        match self.acker.ack(BasicAckOptions::default()).await {
+            Ok(true) => {}
+            Ok(false) => {
+                RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
+                tracing::warn!("basic.ack not sent: the channel is closed; the broker redelivers the message and the store replays it");
+            }
+            Err(e) => {
+                RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
+                tracing::warn!(error = %e, "basic.ack failed; the broker redelivers the message and the store replays it");
+            }
+        }
+    }
+
+    /// Publishes a copy to the retry queue, expiring after `delay` (then the broker moves it back
+    /// to the work queue), and acknowledges the delivery. When the publication fails, waits
+    /// `delay` and gives the delivery back with `basic.nack` (requeue).
+    async fn retry(&self, msg: &AmqpMessage, delay: Duration, outcome: &str) {
+        let common = self.common;
+        let expiration = ShortString::from(delay.as_millis().to_string());
+        let properties = republished(msg, None, Some(expiration), false);
+        let published = self
+            .publisher
+            .publish("", &common.topology.retry_queue, msg.body(), properties)
+            .await;
+        match published {
+            Ok(()) => {
+                RunnerStats::count(&common.stats.retries, m::RETRIES);
+                tracing::debug!(outcome, ?delay, "published to the retry queue");
+                self.ack().await;
+            }
+            Err(e) => {
+                RunnerStats::count(&common.stats.publish_failures, m::PUBLISH_FAILURES);
+                tracing::warn!(outcome, error = %e, retry_queue = %common.topology.retry_queue, "retry publication failed: requeueing after the delay instead");
+                tokio::select! {
+                    biased;
+                    () = self.lost.cancelled() => return self.abandoned(outcome),
+                    () = tokio::time::sleep(delay) => {}
+                }
+                let nack = self.acker.nack(BasicNackOptions {
+                    requeue: true,
+                    ..BasicNackOptions::default()
+                });
+                if matches!(nack.await, Ok(true)) {
+                    RunnerStats::count(&common.stats.requeued, m::REQUEUED);
+                } else {
+                    RunnerStats::count(&common.stats.ack_failures, m::ACK_FAILURES);
+                }
+            }
+        }
+    }
+
+    /// Publishes to the dead-letter exchange until it is confirmed, then acknowledges; stops
+    /// (leaving the delivery to the broker) when the delivery is lost.
+    async fn dead_letter_until_published(&self, msg: &AmqpMessage, info: &DeadLetterInfo) {
+        let common = self.common;
+        let key_id = common.execution.key_id(msg);
+        let attempts = match info.attempts {
+            Some(n) => Some(n),
+            None => common.execution.stored_attempts(key_id.as_deref()).await,
+        };
+        let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
+        let properties = republished(msg, Some(headers), None, true);
+        let topology = &common.topology;
+        loop {
+            let published = self
+                .publisher
+                .publish(
+                    &topology.dead_letter_exchange,
+                    &topology.dead_letter_routing_key,
+                    msg.body(),
+                    properties.clone(),
+                )
+                .await;
+            match published {
+                Ok(()) => {
+                    RunnerStats::bump(&common.stats.dead_lettered);
+                    metrics::counter!(m::DEAD_LETTERED, "reason" => info.reason.as_str())
+                        .increment(1);
+                    tracing::warn!(
+                        reason = info.reason.as_str(),
+                        error = %info.error,
+                        attempts = ?attempts,
+                        key = key_id.as_deref(),
+                        dead_letter_exchange = %topology.dead_letter_exchange,
+                        "message dead-lettered"
+                    );
+                    return self.ack().await;
+                }
+                Err(e) => {
+                    RunnerStats::count(&common.stats.publish_failures, m::PUBLISH_FAILURES);
+                    tracing::error!(error = %e, dead_letter_exchange = %topology.dead_letter_exchange, "dead-letter publication failed; trying again");
+                }
+            }
+            tokio::select! {
+                biased;
+                () = self.lost.cancelled() => return self.abandoned("dead_letter_pending"),
+                () = tokio::time::sleep(DEAD_LETTER_RETRY) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Exit codes and the one-line error every failure prints.
+
+use std::fmt;
+use std::process::ExitCode;
+
+use idem_core::Error;
+
+use crate::store_url::BadUrl;
+
+/// How `idem` ends. The numbers are part of its interface (documented in `--help` and the
+/// README).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Code {
+    /// 0: done.
+    Ok = 0,
+    /// 1: a record named on the command line does not exist (or is past retention).
+    NotFound = 1,
+    /// 2: bad usage: a bad argument or store URL, a command the store does not offer, or a
+    /// destructive command refused without confirmation.
+    Usage = 2,
+    /// 3: the store could not be reached or did not answer within `--timeout`.
+    Unavailable = 3,
+    /// 4: the store answered with an error: not set up, a record that does not decode, a
+    /// server error; or the output could not be written.
+    Store = 4,
+}
+
+impl From<Code> for ExitCode {
+    fn from(code: Code) -> Self {
+        ExitCode::from(code as u8)
+    }
+}
+
+/// A failure: its exit code and one line of text.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) code: Code,
+    message: String,
+}
+
+impl Failure {
+    pub(crate) fn new(code: Code, message: impl fmt::Display) -> Self {
+        Self {
+            code,
+            message: one_line(&message.to_string()),
+        }
+    }
+
+    pub(crate) fn usage(message: impl fmt::Display) -> Self {
+        Self::new(Code::Usage, message)
+    }
+
+    pub(crate) fn not_found(message: impl fmt::Display) -> Self {
+        Self::new(Code::NotFound, message)
+    }
+
+    /// A failure with the exit code and no message of its own (already told).
+    pub(crate) fn silent(code: Code) -> Self {
+        Self {
+            code,
+            message: String::new(),
+        }
+    }
+
+    pub(crate) fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl From<BadUrl> for Failure {
+    fn from(e: BadUrl) -> Self {
+        Self::usage(e)
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        let code = match &e {
+            Error::Unavailable { .. } => Code::Unavailable,
+            Error::InvalidInput { .. } | Error::Unsupported { .. } => Code::Usage,
+            _ => Code::Store,
+        };
+        let message = match &e {
+            Error::Unsupported {
+                operation: "list", ..
+            } => format!(
+                "{e}: this store has no listing yet, so list, stats, release-stuck and \
+                 filtered delete cannot run on it (get and delete by id can)"
+            ),
+            Error::NotSetUp { .. } => format!("{e} (`idem migrate` sets it up)"),
+            _ => e.to_string(),
+        };
+        Self::new(code, message)
+    }
+}
+
+impl From<std::io::Error> for Failure {
+    fn from(e: std::io::Error) -> Self {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            // The reader went away (`idem list | head`): nothing more to say.
+            return Self::silent(Code::Ok);
+        }
+        Self::new(Code::Store, format!("cannot write the output: {e}"))
+    }
+}
+
+/// `text` on one line: line breaks (some drivers put them in their errors) become `; `.
+fn one_line(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for (i, line) in text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .enumerate()
+    {
+        if i > 0 {
+            out.push_str("; ");
+        }
+        out.push_str(line);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_follow_the_error() {
+        let unavailable = Error::timed_out("redis", std::time::Duration::from_secs(1));
+        assert_eq!(Failure::from(unavailable).code, Code::Unavailable);
+        let unsupported = Error::Unsupported {
+            store: "redis",
+            operation: "list",
+        };
+        let f = Failure::from(unsupported);
+        assert_eq!(f.code, Code::Usage);
+        assert!(f.message().contains("does not support list"), "{f:?}");
+        assert_eq!(
+            Failure::from(Error::invalid("namespace", "bad")).code,
+            Code::Usage
+        );
+        let f = Failure::from(Error::not_set_up("postgres", "table x", "run migrate"));
+        assert_eq!(f.code, Code::Store);
+        assert!(f.message().contains("idem migrate"), "{f:?}");
+    }
+
+    #[test]
+    fn messages_are_one_line() {
+        let f = Failure::new(Code::Store, "first\n  second\r\n\nthird");
+        assert_eq!(f.message(), "first; second; third");
+    }
+}

@@ -1,0 +1,166 @@
+//! Everything the runner asks of the executor, in one place: one executor call per try of a
+//! record (with the handler wrapped for revocations), the record's key id for the dead-letter
+//! headers, and the attempt count the store holds. The rest of the runner sees only what a try
+//! came to ([`Step`]) and its [`BrokerAction`](idem_executor::BrokerAction).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use idem_executor::{Codec, Executor, ExecutorError, Handler, Outcome};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+use crate::message::KafkaMessage;
+use crate::options::RunnerOptions;
+use crate::stats::{RunnerStats, metric_names as m};
+
+/// The executor and the handler of a runner, shared by its partition workers.
+pub(crate) struct Execution<H, C> {
+    executor: Executor<C>,
+    handler: Arc<H>,
+}
+
+impl<H, C> Clone for Execution<H, C> {
+    fn clone(&self) -> Self {
+        Self {
+            executor: self.executor.clone(),
+            handler: Arc::clone(&self.handler),
+        }
+    }
+}
+
+/// How one try of a record ended.
+pub(crate) enum Step<T> {
+    /// The executor call returned.
+    Done {
+        /// What it returned.
+        result: Result<Outcome<T>, ExecutorError>,
+        /// The attempt of the handler run in this call; 0 when the handler did not run.
+        attempt: u32,
+    },
+    /// The partition was revoked and the call dropped: before the handler started (the lease
+    /// was released, or its release tried), or past the revoke timeout (the lease is left to
+    /// expire).
+    Revoked,
+}
+
+impl<H, C: Codec> Execution<H, C> {
+    pub(crate) fn new(executor: Executor<C>, handler: H) -> Self {
+        Self {
+            executor,
+            handler: Arc::new(handler),
+        }
+    }
+
+    /// One executor call for `msg`, with the handler wrapped for revocations (`revoke`):
+    ///
+    /// - revoked before the handler was called: the lease is released (no attempt counted) and
+    ///   the call abandoned, so the next owner acquires the key at once;
+    /// - revoked while the handler runs: it is let finish for half the revoke timeout, then
+    ///   signalled through [`HandlerContext::cancellation_token`](idem_executor::HandlerContext::cancellation_token)
+    ///   (the executor then takes its result if it returns at once, else drops it and records
+    ///   nothing). A result is recorded and resolved as usual. The lease is **never** released
+    ///   once the handler started: if the call still has to be dropped, the lease expires and the
+    ///   next owner sees a takeover and the next attempt number.
+    pub(crate) async fn try_once<T>(
+        &self,
+        msg: &KafkaMessage,
+        revoke: &CancellationToken,
+        options: &RunnerOptions,
+        stats: &Arc<RunnerStats>,
+    ) -> Step<T>
+    where
+        H: Handler<KafkaMessage, T>,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        let attempt = Arc::new(AtomicU32::new(0));
+        let released = CancellationToken::new();
+        let handler = Arc::clone(&self.handler);
+        let store = self.executor.store().clone();
+        let release_timeout = options.release_timeout;
+        let revoke_timeout = options.revoke_timeout;
+        let stats = Arc::clone(stats);
+        let record = msg.clone();
+        let signal = released.clone();
+        let ran = Arc::clone(&attempt);
+        let watched = revoke.clone();
+        let call = self.executor.run(msg, move |ctx| async move {
+            ran.store(ctx.attempt(), Ordering::Relaxed);
+            if !watched.is_cancelled() {
+                let cancel = ctx.cancellation_token().clone();
+                let mut run = std::pin::pin!(handler.call(record, ctx));
+                tokio::select! {
+                    biased;
+                    result = &mut run => return result,
+                    () = watched.cancelled() => {}
+                }
+                // Revoked while it runs: let it finish, then ask it to stop. Never release.
+                if let Ok(result) = tokio::time::timeout(revoke_timeout / 2, &mut run).await {
+                    return result;
+                }
+                tracing::warn!(
+                    "partition revoked: the handler is still running; signalling its cancellation token"
+                );
+                cancel.cancel();
+                return run.await;
+            }
+            // Revoked before the handler was called: give the key back without counting an
+            // attempt, then never return, so the executor records nothing (the caller drops this
+            // call).
+            if let Some(lease) = ctx.lease().cloned() {
+                match tokio::time::timeout(release_timeout, store.release(&lease)).await {
+                    Ok(Ok(())) => {
+                        RunnerStats::count(&stats.released, m::RELEASED);
+                        tracing::info!(key = %lease.key, token = %lease.token, "partition revoked before the handler started: lease released");
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(key = %lease.key, error = %e, "partition revoked: lease release failed; the key stays held until its lease expires");
+                    }
+                    Err(_) => {
+                        tracing::warn!(key = %lease.key, "partition revoked: lease release timed out; the key stays held until its lease expires");
+                    }
+                }
+            }
+            signal.cancel();
+            std::future::pending().await
+        });
+        // Once revoked, the call gets most of the revoke timeout (the revocation waits for the
+        // worker that long), then it is dropped and its lease left to expire.
+        let revoke = revoke.clone();
+        let deadline = async move {
+            revoke.cancelled().await;
+            tokio::time::sleep(revoke_timeout.mul_f64(0.9)).await;
+        };
+        tokio::select! {
+            biased;
+            result = call => Step::Done { result, attempt: attempt.load(Ordering::Relaxed) },
+            () = released.cancelled() => Step::Revoked,
+            () = deadline => {
+                tracing::warn!(
+                    "partition revoked: the record's executor call did not end in time and is dropped; its lease (not released) expires and the next owner takes it over"
+                );
+                Step::Revoked
+            }
+        }
+    }
+
+    /// The record's idempotency key id, when it has a readable one.
+    pub(crate) fn key_id(&self, msg: &KafkaMessage) -> Option<String> {
+        self.executor
+            .config()
+            .key_source
+            .extract(msg)
+            .ok()
+            .flatten()
+    }
+
+    /// The attempt count the store holds for the key (best effort, for the dead-letter header).
+    pub(crate) async fn stored_attempts(&self, key_id: Option<&str>) -> Option<u32> {
+        let key = self.executor.namespace().key(key_id?).ok()?;
+        match self.executor.store().get(&key).await {
+            Ok(Some(record)) => Some(record.attempts),
+            _ => None,
+        }
+    }
+}
