@@ -178,3 +178,142 @@ pub(crate) fn outcome_name<T>(result: &Result<Outcome<T>, ExecutorError>) -> &'s
         Err(_) => "error",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idem_core::{IdempotencyStore, MemoryStore, RecordState};
+    use idem_executor::{ExecutorConfig, HandlerContext, HandlerError, RawMessage};
+
+    use super::*;
+
+    fn execution(
+        store: Arc<MemoryStore>,
+        handler: impl Fn(
+            RawMessage,
+            HandlerContext,
+        ) -> futures::future::BoxFuture<'static, Result<u32, HandlerError>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Execution<impl Handler<RawMessage, u32>, idem_executor::JsonCodec, idem_executor::Plain>
+    {
+        let executor = Executor::new(store, ExecutorConfig::new("t")).unwrap();
+        Execution::new(executor, handler)
+    }
+
+    const TIMEOUTS: LostTimeouts = LostTimeouts {
+        orphan: Duration::from_millis(400),
+        release: Duration::from_millis(200),
+    };
+
+    fn msg() -> RawMessage {
+        RawMessage::new("{}").with_header("idempotency-key", "k")
+    }
+
+    async fn state(store: &MemoryStore) -> (RecordState, u32) {
+        let key = idem_core::Namespace::new("t").unwrap().key("k").unwrap();
+        let record = store.get(&key).await.unwrap().unwrap();
+        (record.state, record.attempts)
+    }
+
+    #[tokio::test]
+    async fn lost_before_the_handler_starts_releases_without_counting() {
+        let store = Arc::new(MemoryStore::new());
+        let exec = execution(store.clone(), |_, ctx| {
+            Box::pin(async move { Ok(ctx.attempt()) })
+        });
+        let stats = Arc::new(RunnerStats::default());
+        let lost = CancellationToken::new();
+        lost.cancel();
+        let step = exec
+            .try_once::<_, u32>(&msg(), &lost, TIMEOUTS, &stats)
+            .await;
+        assert!(matches!(step, Step::Abandoned));
+        assert_eq!(stats.released(), 1);
+        assert!(matches!(state(&store).await.0, RecordState::Released));
+        // The next delivery runs at once, as the same first attempt.
+        let step = exec
+            .try_once::<_, u32>(&msg(), &CancellationToken::new(), TIMEOUTS, &stats)
+            .await;
+        match step {
+            Step::Done {
+                result: Ok(Outcome::Executed(attempt)),
+                attempt: ran,
+            } => assert_eq!((attempt, ran), (1, 1)),
+            _ => panic!("not executed"),
+        }
+    }
+
+    #[tokio::test]
+    async fn lost_while_running_lets_the_handler_finish_and_record() {
+        let store = Arc::new(MemoryStore::new());
+        let exec = execution(store.clone(), |_, _| {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Ok(7)
+            })
+        });
+        let stats = Arc::new(RunnerStats::default());
+        let lost = CancellationToken::new();
+        let cancel = lost.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            cancel.cancel();
+        });
+        let step = exec
+            .try_once::<_, u32>(&msg(), &lost, TIMEOUTS, &stats)
+            .await;
+        assert!(matches!(
+            step,
+            Step::Done {
+                result: Ok(Outcome::Executed(7)),
+                ..
+            }
+        ));
+        assert!(matches!(
+            state(&store).await.0,
+            RecordState::Completed { .. }
+        ));
+        assert_eq!(stats.released(), 0, "a started handler is never released");
+    }
+
+    #[tokio::test]
+    async fn a_handler_still_running_past_the_orphan_timeout_is_dropped_not_released() {
+        let store = Arc::new(MemoryStore::new());
+        let exec = execution(store.clone(), |_, _| {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                Ok(0)
+            })
+        });
+        let stats = Arc::new(RunnerStats::default());
+        let lost = CancellationToken::new();
+        let cancel = lost.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            cancel.cancel();
+        });
+        let started = std::time::Instant::now();
+        let step = exec
+            .try_once::<_, u32>(&msg(), &lost, TIMEOUTS, &stats)
+            .await;
+        // Signalled half-way: the executor drops the handler (nothing recorded).
+        assert!(matches!(
+            step,
+            Step::Abandoned
+                | Step::Done {
+                    result: Ok(Outcome::LeaseLost { .. }),
+                    ..
+                }
+        ));
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert!(
+            matches!(state(&store).await, (RecordState::InProgress, _)),
+            "left to expire"
+        );
+        assert_eq!(stats.released(), 0);
+    }
+}

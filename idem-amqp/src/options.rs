@@ -205,8 +205,14 @@ mod tests {
     fn delays_are_clamped_and_bounded() {
         let o = RunnerOptions::default();
         assert_eq!(o.retry_delay(Duration::ZERO), Duration::from_millis(100));
-        assert_eq!(o.retry_delay(Duration::from_secs(2)), Duration::from_secs(2));
-        assert_eq!(o.retry_delay(Duration::from_secs(90)), Duration::from_secs(30));
+        assert_eq!(
+            o.retry_delay(Duration::from_secs(2)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            o.retry_delay(Duration::from_secs(90)),
+            Duration::from_secs(30)
+        );
         assert_eq!(o.reconnect_delay(0), Duration::from_millis(100));
         assert_eq!(o.reconnect_delay(3), Duration::from_millis(800));
         assert_eq!(o.reconnect_delay(1000), Duration::from_secs(5));

@@ -177,12 +177,20 @@ mod tests {
         let retry = republished(&msg, None, Some("250".into()), false);
         assert_eq!(retry.user_id(), &None);
         assert_eq!(retry.expiration().as_ref().map(|e| e.as_str()), Some("250"));
-        assert_eq!(retry.delivery_mode(), &Some(1), "the producer's choice kept");
+        assert_eq!(
+            retry.delivery_mode(),
+            &Some(1),
+            "the producer's choice kept"
+        );
         assert_eq!(retry.message_id().as_ref().map(|e| e.as_str()), Some("m-1"));
         assert_eq!(retry.kind().as_ref().map(|e| e.as_str()), Some("payment"));
         let dead = republished(&msg, Some(FieldTable::default()), None, true);
         assert_eq!(dead.expiration(), &None, "a dead letter does not expire");
-        assert_eq!(dead.delivery_mode(), &Some(2), "dead letters are persistent");
+        assert_eq!(
+            dead.delivery_mode(),
+            &Some(2),
+            "dead letters are persistent"
+        );
         assert_eq!(dead.headers(), &Some(FieldTable::default()));
     }
 }

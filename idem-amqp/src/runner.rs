@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Acker, Channel, Connection, ConnectionProperties, Consumer};
 use serde::Serialize;
@@ -299,8 +301,13 @@ where
                 .basic_cancel(tag, BasicCancelOptions::default()),
         )
         .await
-        .unwrap_or_else(|_| Err(lapin::ErrorKind::InvalidChannelState(lapin::ChannelState::Closing, "basic.cancel timed out").into()))
-        {
+        .unwrap_or_else(|_| {
+            Err(lapin::ErrorKind::InvalidChannelState(
+                lapin::ChannelState::Closing,
+                "basic.cancel timed out",
+            )
+            .into())
+        }) {
             tracing::warn!(error = %e, "basic.cancel failed; closing the channel gives the deliveries back");
         }
         let mut consuming = true;
@@ -344,8 +351,13 @@ where
             }
         }
         session.publisher.close().await;
-        let _ = tokio::time::timeout(CLOSE_TIMEOUT, session.channel.close(200, "shutdown".into())).await;
-        let _ = tokio::time::timeout(CLOSE_TIMEOUT, session.connection.close(200, "shutdown".into())).await;
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, session.channel.close(200, "shutdown".into()))
+            .await;
+        let _ = tokio::time::timeout(
+            CLOSE_TIMEOUT,
+            session.connection.close(200, "shutdown".into()),
+        )
+        .await;
     }
 }
 
@@ -537,7 +549,9 @@ where
             Ok(true) => {}
             Ok(false) => {
                 RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
-                tracing::warn!("basic.ack not sent: the channel is closed; the broker redelivers the message and the store replays it");
+                tracing::warn!(
+                    "basic.ack not sent: the channel is closed; the broker redelivers the message and the store replays it"
+                );
             }
             Err(e) => {
                 RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);

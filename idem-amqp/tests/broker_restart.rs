@@ -5,7 +5,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -75,11 +74,17 @@ async fn runner_recovers_from_a_broker_restart() {
     .await;
     assert!(progressed, "no progress before the restart: {stats:?}");
     let restart = Instant::now();
+    eprintln!("killing the node");
     node.kill();
+    eprintln!("killed");
     let at_kill = count(redis.clone(), ledger.clone()).await;
     node.restart().await;
+    eprintln!("restarted");
     let restarted_in = restart.elapsed();
-    assert!(at_kill < KEYS, "the broker died mid-run ({at_kill} of {KEYS})");
+    assert!(
+        at_kill < KEYS,
+        "the broker died mid-run ({at_kill} of {KEYS})"
+    );
 
     let all = wait_for(Duration::from_secs(60), || {
         count(redis.clone(), ledger.clone()).then(|n| n >= KEYS)

@@ -335,13 +335,14 @@ async fn two_processes_one_killed_give_exactly_one_effect_per_key() {
     let effects_in = started.elapsed();
     let url2 = url.clone();
     let (queue, retry) = (topology.queue.clone(), topology.retry_queue.clone());
-    let emptied = wait_for(Duration::from_secs(30), || {
-        let (url, queue, retry) = (url2.clone(), queue.clone(), retry.clone());
-        async move {
-            queue_state(&url, &queue).await.0 == 0 && queue_state(&url, &retry).await.0 == 0
-        }
-    })
-    .await;
+    let emptied =
+        wait_for(Duration::from_secs(30), || {
+            let (url, queue, retry) = (url2.clone(), queue.clone(), retry.clone());
+            async move {
+                queue_state(&url, &queue).await.0 == 0 && queue_state(&url, &retry).await.0 == 0
+            }
+        })
+        .await;
     assert!(emptied, "the work and retry queues empty");
     let emptied_in = started.elapsed();
 
@@ -406,9 +407,17 @@ async fn two_processes_one_killed_give_exactly_one_effect_per_key() {
     let dead = drain_queue(&url, &topology.dead_letter_queue).await;
     let mut dead_keys = BTreeMap::new();
     for m in &dead {
-        assert_eq!(m.header(idem_amqp::HEADER_REASON).as_deref(), Some("conflict"), "{m:?}");
+        assert_eq!(
+            m.header(idem_amqp::HEADER_REASON).as_deref(),
+            Some("conflict"),
+            "{m:?}"
+        );
         assert_eq!(m.header(idem_amqp::HEADER_ATTEMPTS).as_deref(), Some("0"));
-        assert!(m.header(idem_amqp::HEADER_ERROR).unwrap().contains("conflict"));
+        assert!(
+            m.header(idem_amqp::HEADER_ERROR)
+                .unwrap()
+                .contains("conflict")
+        );
         assert_eq!(
             m.header(idem_amqp::HEADER_SOURCE_QUEUE).as_deref(),
             Some(names.queue.as_str())

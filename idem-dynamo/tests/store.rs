@@ -605,3 +605,59 @@ async fn config_is_validated_before_connecting() {
         "{r:?}"
     );
 }
+
+/// Batches: a key that appears twice is processed in batch order (the second acquire sees the
+/// first one's lease; a complete then a release of the same lease: the release is refused as
+/// not in progress), and many keys, more than run at once, all get their own outcome in order.
+#[tokio::test]
+async fn batches_keep_the_order_of_a_key() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let ns = namespace();
+    let mut reqs: Vec<AcquireRequest> = (0..40)
+        .map(|i| AcquireRequest::new(ns.key(format!("k{i}")).unwrap(), "batcher"))
+        .collect();
+    reqs.insert(7, reqs[3].clone());
+    let outcomes = store.acquire_many(&reqs).await.unwrap();
+    assert_eq!(outcomes.len(), reqs.len());
+    let mut leases = Vec::new();
+    for (i, (req, outcome)) in reqs.iter().zip(&outcomes).enumerate() {
+        match outcome.as_ref().unwrap() {
+            AcquireOutcome::Acquired { lease, .. } if i != 7 => {
+                assert_eq!(lease.key, req.key, "outcome {i} is another key's");
+                leases.push(lease.clone());
+            }
+            AcquireOutcome::InProgress { owner, .. } if i == 7 => assert_eq!(owner, "batcher"),
+            other => panic!("outcome {i}: {other:?}"),
+        }
+    }
+    let first = leases[0].clone();
+    let done = store
+        .complete_many(
+            &[idem_core::Completion::new(first.clone(), "r")],
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert!(done[0].is_ok(), "{done:?}");
+    let released = store
+        .release_many(&[leases[1].clone(), first.clone(), leases[1].clone()])
+        .await
+        .unwrap();
+    assert!(released[0].is_ok(), "{released:?}");
+    assert!(
+        matches!(
+            &released[1],
+            Err(Error::LeaseLost {
+                why: LostLease::NotInProgress {
+                    state: StateKind::Completed
+                },
+                ..
+            })
+        ),
+        "{released:?}"
+    );
+    // A release after the release replays: Ok.
+    assert!(released[2].is_ok(), "{released:?}");
+}

@@ -1,1 +1,22 @@
-//! Work in progress.
+#![doc = include_str!("../README.md")]
+
+mod dead_letter;
+mod error;
+mod execute;
+mod message;
+mod options;
+mod runner;
+mod stats;
+
+pub use async_nats;
+pub use dead_letter::{
+    DeadLetterReason, HEADER_ATTEMPTS, HEADER_DELIVERED, HEADER_ERROR, HEADER_KEY, HEADER_REASON,
+    HEADER_SOURCE_MSG_ID, HEADER_SOURCE_SEQUENCE, HEADER_SOURCE_STREAM, HEADER_SOURCE_SUBJECT,
+    escape, unescape,
+};
+pub use error::RunnerError;
+pub use idem_executor::Handler;
+pub use message::NatsMessage;
+pub use options::{DeadLetterSubject, RunnerOptions};
+pub use runner::{NatsRunner, NatsRunnerBuilder};
+pub use stats::{RunnerStats, metric_names};

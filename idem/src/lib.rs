@@ -26,3 +26,8 @@ pub use idem_postgres as postgres;
 /// dead-letter topic.
 #[cfg(feature = "kafka")]
 pub use idem_kafka as kafka;
+
+/// The SQLite store: durable records in one file, for a single consumer host; built on the
+/// custom-store kit.
+#[cfg(feature = "sqlite")]
+pub use idem_sqlite as sqlite;

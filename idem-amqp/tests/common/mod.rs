@@ -178,13 +178,19 @@ pub async fn publish(url: &str, queue: &str, msgs: &[Msg]) {
         if confirms.len() >= 500 {
             for c in confirms.drain(..) {
                 let c = c.await.expect("confirm");
-                assert!(c.is_ack() && c.take_message().is_none(), "routed and confirmed");
+                assert!(
+                    c.is_ack() && c.take_message().is_none(),
+                    "routed and confirmed"
+                );
             }
         }
     }
     for c in confirms {
         let c = c.await.expect("confirm");
-        assert!(c.is_ack() && c.take_message().is_none(), "routed and confirmed");
+        assert!(
+            c.is_ack() && c.take_message().is_none(),
+            "routed and confirmed"
+        );
     }
     let _ = conn.close(200, "bye".into()).await;
 }
@@ -342,7 +348,10 @@ impl PrivateNode {
         std::fs::write(dir.join("enabled_plugins"), "[].\n").unwrap();
         std::fs::write(dir.join("rabbitmq-env.conf"), "").unwrap();
         let path = |p: &str| dir.join(p).display().to_string();
-        let node = format!("idem-{}@localhost", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let node = format!(
+            "idem-{}@localhost",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
         let env = vec![
             ("HOME".into(), path("home")),
             ("RABBITMQ_NODENAME".into(), node),
@@ -352,8 +361,14 @@ impl PrivateNode {
             ("RABBITMQ_MNESIA_BASE".into(), path("mnesia")),
             ("RABBITMQ_LOG_BASE".into(), path("log")),
             ("RABBITMQ_CONFIG_FILE".into(), path("rabbitmq.conf")),
-            ("RABBITMQ_ADVANCED_CONFIG_FILE".into(), path("advanced.config")),
-            ("RABBITMQ_ENABLED_PLUGINS_FILE".into(), path("enabled_plugins")),
+            (
+                "RABBITMQ_ADVANCED_CONFIG_FILE".into(),
+                path("advanced.config"),
+            ),
+            (
+                "RABBITMQ_ENABLED_PLUGINS_FILE".into(),
+                path("enabled_plugins"),
+            ),
             ("RABBITMQ_CONF_ENV_FILE".into(), path("rabbitmq-env.conf")),
             ("RABBITMQ_PID_FILE".into(), path("node.pid")),
             ("ERL_EPMD_ADDRESS".into(), "127.0.0.1".into()),
@@ -415,12 +430,17 @@ impl PrivateNode {
         );
     }
 
-    /// SIGKILLs the node's process group and waits for it.
+    /// SIGKILLs every process of the node's process group (by their own, positive pids: never
+    /// a negative pid, which some `kill` builds take for -1, every process) and waits for it.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-9", &format!("-{}", child.id())])
-                .status();
+            let pids = group_members(child.id());
+            if !pids.is_empty() {
+                let _ = Command::new("kill")
+                    .arg("-9")
+                    .args(pids.iter().map(u32::to_string))
+                    .status();
+            }
             let _ = child.wait();
         }
     }
@@ -433,6 +453,38 @@ impl PrivateNode {
 }
 
 use std::process::Command;
+
+/// The pids (all above 1) of the processes in the process group `pgid`, from `/proc`.
+fn group_members(pgid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid pgrp ...`; comm may hold spaces and parentheses.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let group = rest
+            .split_whitespace()
+            .nth(2)
+            .and_then(|g| g.parse::<u32>().ok());
+        if group == Some(pgid) && pid > 1 {
+            out.push(pid);
+        }
+    }
+    out
+}
 
 impl Drop for PrivateNode {
     fn drop(&mut self) {

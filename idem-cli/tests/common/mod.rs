@@ -82,7 +82,7 @@ pub const LISTS: &[(Backend, bool)] = &[
     (Backend::Redis, false),
     (Backend::Cluster, false),
     (Backend::Postgres, false),
-    (Backend::Dynamo, false),
+    (Backend::Dynamo, true),
     (Backend::Sqlite, true),
 ];
 

@@ -1,0 +1,214 @@
+//! What is published to the dead-letter subject.
+
+use async_nats::HeaderMap;
+pub use idem_executor::DeadLetterReason;
+use idem_executor::{ExecutorError, Outcome};
+
+use crate::message::NatsMessage;
+
+/// Header naming why the message was dead-lettered: a [`DeadLetterReason`] code.
+pub const HEADER_REASON: &str = "idem-dlq-reason";
+/// Header with the error text: the last recorded error, or what was wrong with the message
+/// ([escaped](crate#dead-letters): NATS header values cannot hold line breaks).
+pub const HEADER_ERROR: &str = "idem-dlq-error";
+/// Header with the number of attempts the store counted for the key (decimal; `0` when the
+/// handler never ran for this payload; `unknown` when the store could not be read).
+pub const HEADER_ATTEMPTS: &str = "idem-dlq-attempts";
+/// Header with the idempotency key id, when the message had a readable one (escaped).
+pub const HEADER_KEY: &str = "idem-dlq-key";
+/// Header with the stream the message was read from.
+pub const HEADER_SOURCE_STREAM: &str = "idem-dlq-source-stream";
+/// Header with the subject the message was published on.
+pub const HEADER_SOURCE_SUBJECT: &str = "idem-dlq-source-subject";
+/// Header with the message's sequence number in its stream (decimal).
+pub const HEADER_SOURCE_SEQUENCE: &str = "idem-dlq-source-sequence";
+/// Header with the deliveries the server counted for the message, this one included.
+pub const HEADER_DELIVERED: &str = "idem-dlq-delivered";
+/// Header keeping the original `Nats-Msg-Id`, when the message had one: the dead letter carries
+/// its own (`<stream>:<sequence>`), so a dead letter published twice is stored once.
+pub const HEADER_SOURCE_MSG_ID: &str = "idem-dlq-source-msg-id";
+
+/// What the runner writes beside the original message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DeadLetterInfo {
+    pub(crate) reason: DeadLetterReason,
+    pub(crate) error: String,
+    /// `None` when the count must be read from the store.
+    pub(crate) attempts: Option<u32>,
+}
+
+/// What to write for a result whose broker action is
+/// [`BrokerAction::DeadLetter`](idem_executor::BrokerAction::DeadLetter): the action's `reason`
+/// and `error`, and the attempt count. `attempt` is the attempt of the handler run in this call
+/// (0 when the handler did not run).
+pub(crate) fn classify<T>(
+    result: &Result<Outcome<T>, ExecutorError>,
+    reason: DeadLetterReason,
+    error: String,
+    attempt: u32,
+) -> DeadLetterInfo {
+    let ran = (attempt > 0).then_some(attempt);
+    let attempts = match result {
+        // The handler never ran for this payload.
+        Ok(Outcome::Conflict)
+        | Err(
+            ExecutorError::MissingKey
+            | ExecutorError::InvalidKey(_)
+            | ExecutorError::InvalidMessage { .. },
+        ) => Some(0),
+        Ok(Outcome::Exhausted { attempts, .. }) => Some(*attempts),
+        Ok(Outcome::NotCommitted { attempt, .. }) => Some(*attempt),
+        // Un-deduplicated: the one run of this call, counted nowhere else.
+        Ok(Outcome::NotDeduplicated { .. }) => Some(1),
+        // A replayed result that does not decode: the count is the store's.
+        Err(ExecutorError::Decode { .. }) => None,
+        // `Failed`, `ResultNotStored`: this call's run, or (replayed) the store's count.
+        _ => ran,
+    };
+    DeadLetterInfo {
+        reason,
+        error,
+        attempts,
+    }
+}
+
+/// A text as a NATS header value: `\` as `\\`, CR as `\r`, LF as `\n` (a header value cannot
+/// hold a line break). Reversed by [`unescape`].
+pub fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\r' => out.push_str("\\r"),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The text [`escape`] was given.
+pub fn unescape(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    let mut chars = value.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('r') => out.push('\r'),
+            Some('n') => out.push('\n'),
+            Some(other) => out.push(other),
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+/// The original headers with the dead-letter headers added (replacing any of the same name).
+pub(crate) fn headers(
+    msg: &NatsMessage,
+    info: &DeadLetterInfo,
+    attempts: Option<u32>,
+    key_id: Option<&str>,
+) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let mut source_msg_id = None;
+    if let Some(orig) = msg.headers() {
+        for (name, values) in orig.iter() {
+            if AsRef::<str>::as_ref(name) == "Nats-Msg-Id" {
+                source_msg_id = values.first().map(|v| v.as_str().to_owned());
+                continue;
+            }
+            for value in values {
+                headers.append(name.clone(), value.clone());
+            }
+        }
+    }
+    let attempts = attempts.map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+    let ours: [(&str, Option<String>); 9] = [
+        (HEADER_REASON, Some(info.reason.as_str().to_owned())),
+        (HEADER_ERROR, Some(escape(&info.error))),
+        (HEADER_ATTEMPTS, Some(attempts)),
+        (HEADER_KEY, key_id.map(escape)),
+        (HEADER_SOURCE_STREAM, Some(msg.stream().to_owned())),
+        (HEADER_SOURCE_SUBJECT, Some(msg.subject().to_owned())),
+        (HEADER_SOURCE_SEQUENCE, Some(msg.stream_sequence().to_string())),
+        (HEADER_DELIVERED, Some(msg.delivered().to_string())),
+        (HEADER_SOURCE_MSG_ID, source_msg_id),
+    ];
+    for (name, value) in ours {
+        if let Some(value) = value {
+            headers.insert(name, value);
+        }
+    }
+    headers.insert(
+        "Nats-Msg-Id",
+        format!("{}:{}", msg.stream(), msg.stream_sequence()),
+    );
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_executor::BrokerAction;
+
+    use super::*;
+
+    #[test]
+    fn escaping_round_trips_and_has_no_line_break() {
+        for text in ["plain", "two\nlines\r\n", "back\\slash\\n", "", "\\", "é\n"] {
+            let escaped = escape(text);
+            assert!(!escaped.contains(['\r', '\n']), "{escaped:?}");
+            assert_eq!(unescape(&escaped), text);
+        }
+        assert_eq!(escape("a\nb"), "a\\nb");
+    }
+
+    #[test]
+    fn classification() {
+        let info = |r: &Result<Outcome<()>, ExecutorError>, attempt| {
+            let BrokerAction::DeadLetter { reason, error } = BrokerAction::of(r) else {
+                panic!()
+            };
+            classify(r, reason, error, attempt)
+        };
+        assert_eq!(info(&Ok(Outcome::Conflict), 0).attempts, Some(0));
+        let exhausted = Ok(Outcome::Exhausted {
+            attempts: 3,
+            last_error: Some("boom".into()),
+        });
+        assert_eq!(
+            info(&exhausted, 3),
+            DeadLetterInfo {
+                reason: DeadLetterReason::Exhausted,
+                error: "boom".into(),
+                attempts: Some(3)
+            }
+        );
+    }
+
+    #[test]
+    fn headers_keep_the_original_ones_and_escape_texts() {
+        let mut orig = HeaderMap::new();
+        orig.insert("trace", "abc");
+        orig.insert("Nats-Msg-Id", "producer-1");
+        let msg = NatsMessage::new("orders.created", "{}", Some(orig));
+        let info = DeadLetterInfo {
+            reason: DeadLetterReason::Failed,
+            error: "bad\nline".into(),
+            attempts: Some(2),
+        };
+        let h = headers(&msg, &info, Some(2), Some("k\r1"));
+        let get = |n: &str| h.get(n).map(|v| v.as_str().to_owned());
+        assert_eq!(get("trace").as_deref(), Some("abc"));
+        assert_eq!(get(HEADER_REASON).as_deref(), Some("failed"));
+        assert_eq!(get(HEADER_ERROR).as_deref(), Some("bad\\nline"));
+        assert_eq!(get(HEADER_KEY).as_deref(), Some("k\\r1"));
+        assert_eq!(get(HEADER_ATTEMPTS).as_deref(), Some("2"));
+        assert_eq!(get(HEADER_SOURCE_SUBJECT).as_deref(), Some("orders.created"));
+        assert_eq!(get(HEADER_SOURCE_MSG_ID).as_deref(), Some("producer-1"));
+        assert_eq!(get("Nats-Msg-Id").as_deref(), Some(":0"), "stream:sequence");
+    }
+}

@@ -1,0 +1,379 @@
+//! Runner options.
+
+use std::time::Duration;
+
+use crate::error::RunnerError;
+
+/// Where dead letters are published. A JetStream stream must capture that subject (the runner
+/// never creates it): see [Dead letters](crate#dead-letters).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeadLetterSubject {
+    /// This prefix followed by the message's subject (default `dlq.`: `orders.created` goes to
+    /// `dlq.orders.created`).
+    Prefix(String),
+    /// One subject for every message.
+    Fixed(String),
+}
+
+impl Default for DeadLetterSubject {
+    fn default() -> Self {
+        Self::Prefix("dlq.".to_owned())
+    }
+}
+
+impl DeadLetterSubject {
+    /// The dead-letter subject of a message published on `subject`.
+    pub fn for_subject(&self, subject: &str) -> String {
+        match self {
+            Self::Prefix(prefix) => format!("{prefix}{subject}"),
+            Self::Fixed(fixed) => fixed.clone(),
+        }
+    }
+}
+
+/// Options of a [`NatsRunner`](crate::NatsRunner). Every field has a default; set them with the
+/// `with_*` methods.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_nats::RunnerOptions;
+///
+/// let options = RunnerOptions::default()
+///     .with_max_in_flight(32)
+///     .with_ack_wait(Duration::from_secs(60));
+/// # let _ = options;
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RunnerOptions {
+    /// Messages processed at once (default 16), each in its own task. The runner pulls only as
+    /// many messages as it has free slots, so none waits in a client buffer with its ack deadline
+    /// running.
+    pub max_in_flight: usize,
+    /// How long one pull request waits for messages (default 1 s): the idle pace of pull
+    /// requests, and the longest a shutdown waits for the pull in flight.
+    pub pull_expiry: Duration,
+    /// Whether the runner creates the durable pull consumer when it does not exist (default
+    /// `true`), with [`ack_wait`](Self::ack_wait), [`max_deliver`](Self::max_deliver) and
+    /// [`filter_subject`](Self::filter_subject). An existing consumer is used as it is: its
+    /// configuration is read from the server and checked (explicit acks, `ack_wait` above the
+    /// executor's heartbeat interval, `max_deliver` above `max_attempts`).
+    pub create_consumer: bool,
+    /// The consumer's ack deadline when the runner creates it (default 30 s). Must exceed the
+    /// executor's heartbeat interval: the runner sends a progress ack (`+WPI`) at every heartbeat
+    /// interval while it holds a message, so the deadline never expires under a live lease.
+    pub ack_wait: Duration,
+    /// The consumer's `max_deliver` when the runner creates it (default `None`: unlimited).
+    /// When set, it must exceed the executor's
+    /// [`max_attempts`](idem_executor::ExecutorConfig::max_attempts): every nak (a retry, a key in
+    /// progress elsewhere) is a delivery too. A message on its last allowed delivery is
+    /// dead-lettered (reason `exhausted`) instead of nak'ed, so the server never drops it
+    /// silently.
+    pub max_deliver: Option<i64>,
+    /// The consumer's subject filter when the runner creates it (default `None`: the whole
+    /// stream).
+    pub filter_subject: Option<String>,
+    /// Shortest nak delay (default 100 ms), so a hint of zero never spins.
+    pub min_retry_delay: Duration,
+    /// Longest nak delay (default 30 s): a key held by a live lease is looked at again at least
+    /// this often.
+    pub max_retry_delay: Duration,
+    /// Where dead letters go (default: `dlq.` + the message's subject).
+    pub dead_letter_subject: DeadLetterSubject,
+    /// Longest wait for the stream's acknowledgement of a dead-letter publication (default
+    /// 30 s).
+    pub publish_timeout: Duration,
+    /// How long a handler may go on after the drain timed out before it is dropped (default
+    /// 10 s); it is signalled through its context's cancellation token half-way. Its lease is
+    /// never released once it started.
+    pub orphan_timeout: Duration,
+    /// Longest wait for one lease release (default 5 s; must be below
+    /// [`orphan_timeout`](Self::orphan_timeout)).
+    pub release_timeout: Duration,
+    /// Longest wait at shutdown for the messages in process to finish (default 30 s).
+    pub drain_timeout: Duration,
+    /// First delay before pulling again after a pull failed (default 100 ms),
+    /// doubling up to [`max_reconnect_delay`](Self::max_reconnect_delay).
+    pub min_reconnect_delay: Duration,
+    /// Longest delay between two attempts to pull again (default 5 s).
+    pub max_reconnect_delay: Duration,
+}
+
+impl Default for RunnerOptions {
+    fn default() -> Self {
+        Self {
+            max_in_flight: 16,
+            pull_expiry: Duration::from_secs(1),
+            create_consumer: true,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: None,
+            filter_subject: None,
+            min_retry_delay: Duration::from_millis(100),
+            max_retry_delay: Duration::from_secs(30),
+            dead_letter_subject: DeadLetterSubject::default(),
+            publish_timeout: Duration::from_secs(30),
+            orphan_timeout: Duration::from_secs(10),
+            release_timeout: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(30),
+            min_reconnect_delay: Duration::from_millis(100),
+            max_reconnect_delay: Duration::from_secs(5),
+        }
+    }
+}
+
+impl RunnerOptions {
+    /// Sets [`max_in_flight`](Self::max_in_flight).
+    pub fn with_max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+
+    /// Sets [`pull_expiry`](Self::pull_expiry).
+    pub fn with_pull_expiry(mut self, expiry: Duration) -> Self {
+        self.pull_expiry = expiry;
+        self
+    }
+
+    /// Sets [`create_consumer`](Self::create_consumer).
+    pub fn with_create_consumer(mut self, create: bool) -> Self {
+        self.create_consumer = create;
+        self
+    }
+
+    /// Sets [`ack_wait`](Self::ack_wait).
+    pub fn with_ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait;
+        self
+    }
+
+    /// Sets [`max_deliver`](Self::max_deliver).
+    pub fn with_max_deliver(mut self, max_deliver: Option<i64>) -> Self {
+        self.max_deliver = max_deliver;
+        self
+    }
+
+    /// Sets [`filter_subject`](Self::filter_subject).
+    pub fn with_filter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.filter_subject = Some(subject.into());
+        self
+    }
+
+    /// Sets [`min_retry_delay`](Self::min_retry_delay) and [`max_retry_delay`](Self::max_retry_delay).
+    pub fn with_retry_delays(mut self, min: Duration, max: Duration) -> Self {
+        self.min_retry_delay = min;
+        self.max_retry_delay = max;
+        self
+    }
+
+    /// Sets [`dead_letter_subject`](Self::dead_letter_subject).
+    pub fn with_dead_letter_subject(mut self, subject: DeadLetterSubject) -> Self {
+        self.dead_letter_subject = subject;
+        self
+    }
+
+    /// Sets [`publish_timeout`](Self::publish_timeout).
+    pub fn with_publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
+    /// Sets [`orphan_timeout`](Self::orphan_timeout).
+    pub fn with_orphan_timeout(mut self, timeout: Duration) -> Self {
+        self.orphan_timeout = timeout;
+        self
+    }
+
+    /// Sets [`release_timeout`](Self::release_timeout).
+    pub fn with_release_timeout(mut self, timeout: Duration) -> Self {
+        self.release_timeout = timeout;
+        self
+    }
+
+    /// Sets [`drain_timeout`](Self::drain_timeout).
+    pub fn with_drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// Sets [`min_reconnect_delay`](Self::min_reconnect_delay) and
+    /// [`max_reconnect_delay`](Self::max_reconnect_delay).
+    pub fn with_reconnect_delays(mut self, min: Duration, max: Duration) -> Self {
+        self.min_reconnect_delay = min;
+        self.max_reconnect_delay = max;
+        self
+    }
+
+    /// The nak delay, from the outcome's hint.
+    pub(crate) fn retry_delay(&self, hint: Duration) -> Duration {
+        hint.clamp(self.min_retry_delay, self.max_retry_delay)
+    }
+
+    /// The delay before pulling again after `failures` failures in a row.
+    pub(crate) fn reconnect_delay(&self, failures: u32) -> Duration {
+        self.min_reconnect_delay
+            .saturating_mul(2u32.saturating_pow(failures.min(16)))
+            .min(self.max_reconnect_delay)
+    }
+
+    /// Checks the options against the executor's heartbeat interval and maximum attempts.
+    pub(crate) fn validate(&self, heartbeat: Duration, max_attempts: u32) -> Result<(), RunnerError> {
+        if self.max_in_flight == 0 {
+            return Err(RunnerError::config("max_in_flight", "must be at least 1"));
+        }
+        if self.min_retry_delay.is_zero() || self.min_retry_delay > self.max_retry_delay {
+            return Err(RunnerError::config(
+                "retry_delay",
+                format!(
+                    "min {:?} must be above zero and at most max {:?}",
+                    self.min_retry_delay, self.max_retry_delay
+                ),
+            ));
+        }
+        if self.min_reconnect_delay.is_zero() || self.min_reconnect_delay > self.max_reconnect_delay
+        {
+            return Err(RunnerError::config(
+                "reconnect_delay",
+                format!(
+                    "min {:?} must be above zero and at most max {:?}",
+                    self.min_reconnect_delay, self.max_reconnect_delay
+                ),
+            ));
+        }
+        for (field, d) in [
+            ("pull_expiry", self.pull_expiry),
+            ("publish_timeout", self.publish_timeout),
+            ("orphan_timeout", self.orphan_timeout),
+            ("release_timeout", self.release_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(RunnerError::config(field, "must be above zero"));
+            }
+        }
+        if self.release_timeout >= self.orphan_timeout {
+            return Err(RunnerError::config(
+                "release_timeout",
+                format!(
+                    "{:?} must be below orphan_timeout {:?}: a release runs within it",
+                    self.release_timeout, self.orphan_timeout
+                ),
+            ));
+        }
+        match &self.dead_letter_subject {
+            DeadLetterSubject::Prefix(s) | DeadLetterSubject::Fixed(s) if s.is_empty() => {
+                return Err(RunnerError::config(
+                    "dead_letter_subject",
+                    "is empty: a prefix would publish back to the source subject",
+                ));
+            }
+            _ => {}
+        }
+        check_consumer(self.ack_wait, self.max_deliver.unwrap_or(-1), heartbeat, max_attempts)
+    }
+}
+
+/// The rules a consumer's `ack_wait` and `max_deliver` must follow (for one the runner creates,
+/// and for one it finds on the server).
+pub(crate) fn check_consumer(
+    ack_wait: Duration,
+    max_deliver: i64,
+    heartbeat: Duration,
+    max_attempts: u32,
+) -> Result<(), RunnerError> {
+    // Zero: the server's default (30 s).
+    let ack_wait = if ack_wait.is_zero() {
+        Duration::from_secs(30)
+    } else {
+        ack_wait
+    };
+    if ack_wait <= heartbeat {
+        return Err(RunnerError::config(
+            "ack_wait",
+            format!(
+                "{ack_wait:?} must exceed the executor's heartbeat interval {heartbeat:?}: progress \
+                 acks go out at every heartbeat, and the server would redeliver a message whose \
+                 lease is still live"
+            ),
+        ));
+    }
+    if max_deliver > 0 && max_deliver <= i64::from(max_attempts) {
+        return Err(RunnerError::config(
+            "max_deliver",
+            format!(
+                "{max_deliver} must exceed the executor's max_attempts {max_attempts} (or be \
+                 unlimited, -1): every nak is a delivery too, and the server would stop \
+                 delivering a message before the executor dead-letters it"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HB: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn delays_are_clamped() {
+        let o = RunnerOptions::default();
+        assert_eq!(o.retry_delay(Duration::ZERO), Duration::from_millis(100));
+        assert_eq!(o.retry_delay(Duration::from_secs(90)), Duration::from_secs(30));
+        assert_eq!(o.reconnect_delay(0), Duration::from_millis(100));
+        assert_eq!(o.reconnect_delay(50), Duration::from_secs(5));
+    }
+
+    #[test]
+    fn ack_wait_must_exceed_the_heartbeat_and_max_deliver_the_attempts() {
+        assert!(RunnerOptions::default().validate(HB, 5).is_ok());
+        let field = |o: RunnerOptions, hb: Duration, attempts: u32| match o.validate(hb, attempts) {
+            Err(RunnerError::Config { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        let o = RunnerOptions::default().with_ack_wait(Duration::from_secs(10));
+        assert_eq!(field(o, HB, 5), "ack_wait");
+        let o = RunnerOptions::default().with_max_deliver(Some(5));
+        assert_eq!(field(o, HB, 5), "max_deliver");
+        assert!(
+            RunnerOptions::default()
+                .with_max_deliver(Some(6))
+                .validate(HB, 5)
+                .is_ok()
+        );
+        assert!(
+            RunnerOptions::default()
+                .with_max_deliver(Some(-1))
+                .validate(HB, 5)
+                .is_ok()
+        );
+        assert_eq!(
+            field(RunnerOptions::default().with_max_in_flight(0), HB, 5),
+            "max_in_flight"
+        );
+        assert_eq!(
+            field(
+                RunnerOptions::default()
+                    .with_dead_letter_subject(DeadLetterSubject::Prefix(String::new())),
+                HB,
+                5
+            ),
+            "dead_letter_subject"
+        );
+        // The server's default ack_wait (zero in a config) is 30 s.
+        assert!(check_consumer(Duration::ZERO, -1, HB, 5).is_ok());
+        assert!(check_consumer(Duration::ZERO, -1, Duration::from_secs(30), 5).is_err());
+    }
+
+    #[test]
+    fn dead_letter_subjects() {
+        assert_eq!(
+            DeadLetterSubject::default().for_subject("orders.created"),
+            "dlq.orders.created"
+        );
+        assert_eq!(
+            DeadLetterSubject::Fixed("dead".into()).for_subject("orders.created"),
+            "dead"
+        );
+    }
+}

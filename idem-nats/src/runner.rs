@@ -1,0 +1,596 @@
+//! The runner: builder, pull loop, message tasks, progress acks, drain.
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::pull::Config as PullConfig;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::message::{AckKind, Acker};
+use futures::StreamExt;
+use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::dead_letter::{self, DeadLetterInfo, DeadLetterReason};
+use crate::error::RunnerError;
+use crate::execute::{Execution, LostTimeouts, Step, outcome_name};
+use crate::message::NatsMessage;
+use crate::options::{RunnerOptions, check_consumer};
+use crate::stats::{RunnerStats, metric_names as m};
+
+/// Pause between two tries of a dead-letter publication that failed.
+const DEAD_LETTER_RETRY: Duration = Duration::from_secs(1);
+
+/// Runs a handler over a JetStream durable pull consumer through an [`Executor`], settling each
+/// message (ack, nak with a delay, or dead letter and term) only once its outcome is known, and
+/// holding its ack deadline with progress acks meanwhile. See the [crate docs](crate).
+///
+/// Build it with [`NatsRunner::builder`], then [`run`](Self::run) it until a shutdown signal.
+/// `R` is the executor's [`Recorder`]: the handler returns `R::Returns<T>` (`T` on a plain
+/// executor, a [`Commit`](idem_executor::Commit) on a transactional one).
+pub struct NatsRunner<H, T, C = JsonCodec, R = Plain> {
+    consumer: String,
+    common: Arc<Common<H, C, R>>,
+    _result: PhantomData<fn() -> T>,
+}
+
+impl<H, T, C, R> std::fmt::Debug for NatsRunner<H, T, C, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsRunner")
+            .field("stream", &self.common.stream)
+            .field("consumer", &self.consumer)
+            .field("options", &self.common.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`NatsRunner`].
+#[must_use]
+pub struct NatsRunnerBuilder<H, T, C = JsonCodec, R = Plain> {
+    client: async_nats::Client,
+    stream: String,
+    consumer: String,
+    options: RunnerOptions,
+    executor: Executor<C, R>,
+    handler: H,
+    _result: PhantomData<fn() -> T>,
+}
+
+impl<H, T, C, R> std::fmt::Debug for NatsRunnerBuilder<H, T, C, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsRunnerBuilder")
+            .field("stream", &self.stream)
+            .field("consumer", &self.consumer)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What every message task shares.
+struct Common<H, C, R> {
+    execution: Execution<H, C, R>,
+    jetstream: async_nats::jetstream::Context,
+    stream: String,
+    options: RunnerOptions,
+    stats: Arc<RunnerStats>,
+    /// The executor's heartbeat interval: the pace of progress acks.
+    heartbeat: Duration,
+    max_attempts: u32,
+}
+
+impl<H, T, C, R> NatsRunner<H, T, C, R>
+where
+    H: Handler<NatsMessage, R::Returns<T>>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    /// A builder over a connected client, the stream, the durable consumer's name, the executor
+    /// and the handler.
+    pub fn builder(
+        client: async_nats::Client,
+        stream: impl Into<String>,
+        consumer: impl Into<String>,
+        executor: Executor<C, R>,
+        handler: H,
+    ) -> NatsRunnerBuilder<H, T, C, R> {
+        NatsRunnerBuilder {
+            client,
+            stream: stream.into(),
+            consumer: consumer.into(),
+            options: RunnerOptions::default(),
+            executor,
+            handler,
+            _result: PhantomData,
+        }
+    }
+
+    /// The live counters, to watch the runner while it runs.
+    pub fn stats(&self) -> Arc<RunnerStats> {
+        Arc::clone(&self.common.stats)
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &RunnerOptions {
+        &self.common.options
+    }
+
+    /// Gets (or creates) the consumer, checks its configuration, pulls and processes messages
+    /// until `shutdown` completes, then drains: no new pull; the pull in flight is read to its
+    /// end (at most [`pull_expiry`](RunnerOptions::pull_expiry)) and what it brings is nak'ed
+    /// for an immediate redelivery; the messages in process finish and are settled (up to [`drain_timeout`](RunnerOptions::drain_timeout); then a handler that had
+    /// not started releases its lease and its message is nak'ed, and running ones are signalled,
+    /// then dropped).
+    ///
+    /// A pull request that fails is sent again with a bounded delay; the client
+    /// reconnects to the server by itself (acks sent while it is disconnected fail, and the
+    /// server redelivers those messages after their ack deadline: the store replays them).
+    ///
+    /// # Errors
+    /// [`RunnerError::Nats`] when the stream or the consumer cannot be had, and
+    /// [`RunnerError::Config`] when the consumer on the server is not usable (not explicit acks,
+    /// `ack_wait` not above the heartbeat interval, `max_deliver` not above `max_attempts`).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RunnerError> {
+        let stop = CancellationToken::new();
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut main = std::pin::pin!(self.consume_until(stop.clone()));
+        tokio::select! {
+            result = &mut main => return result,
+            () = &mut shutdown => {
+                tracing::info!(stream = %self.common.stream, consumer = %self.consumer, "shutdown requested: draining");
+                stop.cancel();
+            }
+        }
+        let result = main.await;
+        tracing::info!(stream = %self.common.stream, consumer = %self.consumer, "nats runner stopped");
+        result
+    }
+
+    /// The durable pull consumer, created when missing (and allowed), its settings checked.
+    async fn consumer(&self) -> Result<(PullConsumer, i64), RunnerError> {
+        let common = &self.common;
+        let options = &common.options;
+        let stream = common
+            .jetstream
+            .get_stream(&common.stream)
+            .await
+            .map_err(|e| RunnerError::nats(format!("getting stream {}", common.stream), e))?;
+        let consumer: PullConsumer = if options.create_consumer {
+            let config = PullConfig {
+                durable_name: Some(self.consumer.clone()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: options.ack_wait,
+                max_deliver: options.max_deliver.unwrap_or(-1),
+                filter_subject: options.filter_subject.clone().unwrap_or_default(),
+                ..PullConfig::default()
+            };
+            stream
+                .get_or_create_consumer(&self.consumer, config)
+                .await
+                .map_err(|e| {
+                    RunnerError::nats(format!("getting or creating consumer {}", self.consumer), e)
+                })?
+        } else {
+            stream.get_consumer(&self.consumer).await.map_err(|e| {
+                RunnerError::nats(format!("getting consumer {}", self.consumer), e)
+            })?
+        };
+        let config = &consumer.cached_info().config;
+        if config.ack_policy != AckPolicy::Explicit {
+            return Err(RunnerError::config(
+                "ack_policy",
+                format!(
+                    "consumer {} acknowledges {:?}: the runner needs explicit acks",
+                    self.consumer, config.ack_policy
+                ),
+            ));
+        }
+        check_consumer(
+            config.ack_wait,
+            config.max_deliver,
+            common.heartbeat,
+            common.max_attempts,
+        )?;
+        let max_deliver = config.max_deliver;
+        Ok((consumer, max_deliver))
+    }
+
+    async fn consume_until(&self, stop: CancellationToken) -> Result<(), RunnerError> {
+        let common = &self.common;
+        let options = &common.options;
+        let (consumer, max_deliver) = self.consumer().await?;
+        tracing::info!(stream = %common.stream, consumer = %self.consumer, max_deliver, "nats runner consuming");
+        let permits = Arc::new(Semaphore::new(options.max_in_flight));
+        let lost = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        let mut failures = 0u32;
+        while !stop.is_cancelled() {
+            // Pull as many messages as there are free slots (at least one): nothing waits in a
+            // client buffer with its ack deadline running.
+            let first = tokio::select! {
+                biased;
+                () = stop.cancelled() => break,
+                Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
+                    report(joined);
+                    continue;
+                }
+                p = Arc::clone(&permits).acquire_owned() => p.expect("the semaphore is never closed"),
+            };
+            let mut slots = vec![first];
+            while slots.len() < options.max_in_flight {
+                match Arc::clone(&permits).try_acquire_owned() {
+                    Ok(p) => slots.push(p),
+                    Err(_) => break,
+                }
+            }
+            let batch = consumer
+                .batch()
+                .max_messages(slots.len())
+                .expires(options.pull_expiry)
+                .messages()
+                .await;
+            let mut batch = match batch {
+                Ok(batch) => batch,
+                Err(e) => {
+                    RunnerStats::count(&common.stats.stream_errors, m::STREAM_ERRORS);
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(error = %e, failures, "pull request failed");
+                    drop(slots);
+                    tokio::select! {
+                        biased;
+                        () = stop.cancelled() => break,
+                        () = tokio::time::sleep(options.reconnect_delay(failures)) => continue,
+                    }
+                }
+            };
+            // Read the pull to its end (all its messages, or its expiry), even when stopping:
+            // what arrives after the stop is nak'ed for an immediate redelivery.
+            loop {
+                tokio::select! {
+                    biased;
+                    Some(joined) = tasks.join_next(), if !tasks.is_empty() => report(joined),
+                    next = batch.next() => match next {
+                        Some(Ok(message)) => {
+                            failures = 0;
+                            if stop.is_cancelled() {
+                                if message.ack_with(AckKind::Nak(None)).await.is_err() {
+                                    RunnerStats::count(&common.stats.ack_failures, m::ACK_FAILURES);
+                                }
+                                continue;
+                            }
+                            RunnerStats::bump(&common.stats.received);
+                            let Some(slot) = slots.pop() else {
+                                // More than asked for: give it back.
+                                let _ = message.ack_with(AckKind::Nak(None)).await;
+                                continue;
+                            };
+                            tasks.spawn(deliver(Arc::clone(common), message, slot, lost.clone(), max_deliver));
+                        }
+                        Some(Err(e)) => {
+                            RunnerStats::count(&common.stats.stream_errors, m::STREAM_ERRORS);
+                            failures = failures.saturating_add(1);
+                            tracing::warn!(error = %e, failures, "pull error");
+                            break;
+                        }
+                        None => break,
+                    },
+                }
+            }
+            if failures > 0 {
+                drop(slots);
+                tokio::select! {
+                    biased;
+                    () = stop.cancelled() => break,
+                    () = tokio::time::sleep(options.reconnect_delay(failures)) => {}
+                }
+            }
+        }
+        self.drain(tasks, &lost).await;
+        Ok(())
+    }
+
+    async fn drain(&self, mut tasks: JoinSet<()>, lost: &CancellationToken) {
+        let options = &self.common.options;
+        let deadline = tokio::time::sleep(options.drain_timeout);
+        tokio::pin!(deadline);
+        let mut timed_out = false;
+        loop {
+            tokio::select! {
+                biased;
+                joined = tasks.join_next() => match joined {
+                    Some(joined) => report(joined),
+                    None => break,
+                },
+                () = &mut deadline => {
+                    if timed_out {
+                        tracing::error!(left = tasks.len(), "message tasks did not end within the orphan timeout: aborted");
+                        tasks.abort_all();
+                        deadline.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(3600));
+                    } else {
+                        tracing::warn!(
+                            left = tasks.len(),
+                            "drain timeout: handlers not started release their leases (their messages are nak'ed); running ones are signalled, then dropped with their leases left to expire"
+                        );
+                        timed_out = true;
+                        lost.cancel();
+                        deadline.as_mut().reset(tokio::time::Instant::now() + options.orphan_timeout);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Logs a message task that panicked (its message is redelivered after its ack deadline).
+fn report(joined: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = joined
+        && e.is_panic()
+    {
+        tracing::error!(error = %e, "a message task panicked; the message is redelivered after its ack deadline");
+    }
+}
+
+impl<H, T, C, R> NatsRunnerBuilder<H, T, C, R>
+where
+    H: Handler<NatsMessage, R::Returns<T>>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    /// Replaces the options.
+    pub fn options(mut self, options: RunnerOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Changes the options in place, e.g. `.configure(|o| o.with_max_in_flight(4))`.
+    pub fn configure(mut self, f: impl FnOnce(RunnerOptions) -> RunnerOptions) -> Self {
+        self.options = f(self.options);
+        self
+    }
+
+    /// Validates the options against the executor's heartbeat interval and maximum attempts.
+    ///
+    /// # Errors
+    /// [`RunnerError::Config`] naming the bad option.
+    pub fn build(self) -> Result<NatsRunner<H, T, C, R>, RunnerError> {
+        let heartbeat = self.executor.heartbeat_interval();
+        let max_attempts = self.executor.config().max_attempts;
+        self.options.validate(heartbeat, max_attempts)?;
+        if self.stream.is_empty() {
+            return Err(RunnerError::config("stream", "is empty"));
+        }
+        if self.consumer.is_empty() {
+            return Err(RunnerError::config("consumer", "is empty"));
+        }
+        Ok(NatsRunner {
+            consumer: self.consumer,
+            common: Arc::new(Common {
+                execution: Execution::new(self.executor, self.handler),
+                jetstream: async_nats::jetstream::new(self.client),
+                stream: self.stream,
+                options: self.options,
+                stats: Arc::new(RunnerStats::default()),
+                heartbeat,
+                max_attempts,
+            }),
+            _result: PhantomData,
+        })
+    }
+}
+
+/// Processes one message to its end, sending progress acks at every heartbeat interval
+/// meanwhile.
+async fn deliver<H, T, C, R>(
+    common: Arc<Common<H, C, R>>,
+    message: async_nats::jetstream::Message,
+    permit: OwnedSemaphorePermit,
+    lost: CancellationToken,
+    max_deliver: i64,
+) where
+    H: Handler<NatsMessage, R::Returns<T>>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    let _permit = permit;
+    let (sequence, delivered) = message
+        .info()
+        .map_or((0, 1), |i| (i.stream_sequence, i.delivered));
+    let (message, acker) = message.split();
+    let msg = NatsMessage::from_parts(message, &common.stream, sequence, delivered);
+    let span = tracing::debug_span!(
+        "idem_nats_message",
+        stream = %common.stream,
+        subject = msg.subject(),
+        sequence,
+        delivered,
+        outcome = tracing::field::Empty,
+    );
+    let settle = Settle {
+        common: &common,
+        acker: &acker,
+        lost: &lost,
+        max_deliver,
+    };
+    tokio::select! {
+        biased;
+        () = settle.process::<T>(&msg).instrument(span.clone()) => {}
+        () = settle.keep_alive().instrument(span) => {}
+    }
+}
+
+struct Settle<'a, H, C, R> {
+    common: &'a Common<H, C, R>,
+    acker: &'a Acker,
+    lost: &'a CancellationToken,
+    max_deliver: i64,
+}
+
+impl<H, C, R> Settle<'_, H, C, R>
+where
+    C: Codec,
+    R: Recorder,
+{
+    /// Sends a progress ack at every heartbeat interval, forever (the caller drops it once the
+    /// message is settled): the ack deadline never passes while the message is held.
+    async fn keep_alive(&self) {
+        let mut ticks = tokio::time::interval(self.common.heartbeat);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks.tick().await;
+        loop {
+            ticks.tick().await;
+            match self.acker.ack_with(AckKind::Progress).await {
+                Ok(()) => RunnerStats::count(&self.common.stats.progress, m::PROGRESS),
+                Err(e) => tracing::warn!(error = %e, "progress ack failed; the ack deadline may pass"),
+            }
+        }
+    }
+
+    async fn process<T>(&self, msg: &NatsMessage)
+    where
+        H: Handler<NatsMessage, R::Returns<T>>,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        R::Returns<T>: Send + 'static,
+    {
+        let common = self.common;
+        let options = &common.options;
+        let timeouts = LostTimeouts {
+            orphan: options.orphan_timeout,
+            release: options.release_timeout,
+        };
+        let step = common
+            .execution
+            .try_once(msg, self.lost, timeouts, &common.stats)
+            .await;
+        let (result, attempt) = match step {
+            Step::Abandoned => {
+                RunnerStats::count(&common.stats.abandoned, m::ABANDONED);
+                // Redelivered at once elsewhere (a lease left to expire makes it wait there).
+                self.send(AckKind::Nak(None), false).await;
+                return;
+            }
+            Step::Done { result, attempt } => (result, attempt),
+        };
+        let outcome = outcome_name(&result);
+        tracing::Span::current().record("outcome", outcome);
+        match BrokerAction::of(&result) {
+            BrokerAction::Ack => {
+                match &result {
+                    Ok(Outcome::Executed(_)) => RunnerStats::count(&common.stats.executed, m::EXECUTED),
+                    Ok(Outcome::Replayed(_)) => RunnerStats::count(&common.stats.replayed, m::REPLAYED),
+                    _ => RunnerStats::bump(&common.stats.acked_other),
+                }
+                self.send(AckKind::Ack, true).await;
+                tracing::debug!(outcome, "acknowledged");
+            }
+            BrokerAction::DeadLetter { reason, error } => {
+                let info = dead_letter::classify(&result, reason, error, attempt);
+                drop(result);
+                self.dead_letter_until_published(msg, &info).await;
+            }
+            action => {
+                drop(result);
+                let hint = match action {
+                    BrokerAction::Retry { after } => after,
+                    _ => options.min_retry_delay,
+                };
+                if self.max_deliver > 0 && msg.delivered() >= self.max_deliver {
+                    // A nak now would make the server drop the message: dead-letter it instead.
+                    let info = DeadLetterInfo {
+                        reason: DeadLetterReason::Exhausted,
+                        error: format!(
+                            "delivered {} times, the consumer's max_deliver, without a final outcome (last: {outcome})",
+                            msg.delivered()
+                        ),
+                        attempts: None,
+                    };
+                    return self.dead_letter_until_published(msg, &info).await;
+                }
+                let delay = options.retry_delay(hint);
+                RunnerStats::count(&common.stats.naks, m::NAKS);
+                tracing::debug!(outcome, ?delay, "nak with a delay");
+                self.send(AckKind::Nak(Some(delay)), false).await;
+            }
+        }
+    }
+
+    /// Sends an ack of `kind`; `confirmed`: waits for the server's confirmation (double ack).
+    async fn send(&self, kind: AckKind, confirmed: bool) {
+        let sent = if confirmed {
+            self.acker.double_ack_with(kind).await
+        } else {
+            self.acker.ack_with(kind).await
+        };
+        if let Err(e) = sent {
+            RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
+            tracing::warn!(error = %e, "ack failed; the server redelivers the message after its ack deadline and the store replays it");
+        }
+    }
+
+    /// Publishes to the dead-letter subject until a stream acknowledges it, then terminates the
+    /// message; stops (nak'ing the message) when the drain timed out.
+    async fn dead_letter_until_published(&self, msg: &NatsMessage, info: &DeadLetterInfo) {
+        let common = self.common;
+        let key_id = common.execution.key_id(msg);
+        let attempts = match info.attempts {
+            Some(n) => Some(n),
+            None => common.execution.stored_attempts(key_id.as_deref()).await,
+        };
+        let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
+        let subject = common.options.dead_letter_subject.for_subject(msg.subject());
+        loop {
+            let publish = async {
+                common
+                    .jetstream
+                    .publish_with_headers(subject.clone(), headers.clone(), msg.payload().clone())
+                    .await?
+                    .await
+            };
+            let published = tokio::time::timeout(common.options.publish_timeout, publish).await;
+            match published {
+                Ok(Ok(ack)) => {
+                    RunnerStats::bump(&common.stats.dead_lettered);
+                    metrics::counter!(m::DEAD_LETTERED, "reason" => info.reason.as_str())
+                        .increment(1);
+                    tracing::warn!(
+                        reason = info.reason.as_str(),
+                        error = %info.error,
+                        attempts = ?attempts,
+                        key = key_id.as_deref(),
+                        dead_letter_subject = %subject,
+                        dead_letter_stream = %ack.stream,
+                        duplicate = ack.duplicate,
+                        "message dead-lettered"
+                    );
+                    return self.send(AckKind::Term, true).await;
+                }
+                Ok(Err(e)) => {
+                    RunnerStats::count(&common.stats.publish_failures, m::PUBLISH_FAILURES);
+                    tracing::error!(error = %e, dead_letter_subject = %subject, "dead-letter publication failed (does a stream capture the subject?); trying again");
+                }
+                Err(_) => {
+                    RunnerStats::count(&common.stats.publish_failures, m::PUBLISH_FAILURES);
+                    tracing::error!(dead_letter_subject = %subject, "dead-letter publication not acknowledged in time; trying again");
+                }
+            }
+            tokio::select! {
+                biased;
+                () = self.lost.cancelled() => {
+                    RunnerStats::count(&common.stats.abandoned, m::ABANDONED);
+                    return self.send(AckKind::Nak(None), false).await;
+                }
+                () = tokio::time::sleep(DEAD_LETTER_RETRY) => {}
+            }
+        }
+    }
+}

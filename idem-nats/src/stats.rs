@@ -1,0 +1,123 @@
+//! Counters of a running runner.
+
+/// Names of the `metrics` counters the runner increments (through whatever recorder the
+/// application installed), next to the executor's own `idem_*` counters.
+pub mod metric_names {
+    /// Messages whose handler ran to completion (acknowledged).
+    pub const EXECUTED: &str = "idem_nats_executed";
+    /// Duplicates answered from the store (acknowledged).
+    pub const REPLAYED: &str = "idem_nats_replayed";
+    /// Messages published to the dead-letter subject (then terminated), labelled `reason` (a
+    /// [`DeadLetterReason`](crate::DeadLetterReason) code).
+    pub const DEAD_LETTERED: &str = "idem_nats_dead_lettered";
+    /// Naks with a delay (a retry, a key in progress elsewhere, a lost lease, a store error).
+    pub const NAKS: &str = "idem_nats_naks";
+    /// Progress acks (`+WPI`) sent to hold a message's ack deadline.
+    pub const PROGRESS: &str = "idem_nats_progress";
+    /// Leases released because the drain timed out before the message's handler started.
+    pub const RELEASED: &str = "idem_nats_leases_released";
+    /// Messages given up at the drain timeout (nak'ed for an immediate redelivery, or left to
+    /// their ack deadline).
+    pub const ABANDONED: &str = "idem_nats_abandoned";
+    /// Acks, naks or terms that failed (or, for double acks, were not confirmed): the server
+    /// redelivers the message after its ack deadline, and the store replays it.
+    pub const ACK_FAILURES: &str = "idem_nats_ack_failures";
+    /// Dead-letter publications that failed or were not acknowledged by a stream in time.
+    pub const PUBLISH_FAILURES: &str = "idem_nats_publish_failures";
+    /// Pull requests that failed (the server unreachable, the consumer gone); each is sent again
+    /// after a bounded delay.
+    pub const STREAM_ERRORS: &str = "idem_nats_stream_errors";
+}
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Live counters of a [`NatsRunner`](crate::NatsRunner), shared with
+/// [`NatsRunner::stats`](crate::NatsRunner::stats). Every count is of deliveries (not of keys)
+/// since the runner started.
+#[derive(Debug, Default)]
+pub struct RunnerStats {
+    pub(crate) received: AtomicU64,
+    pub(crate) executed: AtomicU64,
+    pub(crate) replayed: AtomicU64,
+    pub(crate) acked_other: AtomicU64,
+    pub(crate) dead_lettered: AtomicU64,
+    pub(crate) naks: AtomicU64,
+    pub(crate) progress: AtomicU64,
+    pub(crate) released: AtomicU64,
+    pub(crate) abandoned: AtomicU64,
+    pub(crate) ack_failures: AtomicU64,
+    pub(crate) publish_failures: AtomicU64,
+    pub(crate) stream_errors: AtomicU64,
+}
+
+impl RunnerStats {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Bumps `counter` and the `metrics` counter `name`.
+    pub(crate) fn count(counter: &AtomicU64, name: &'static str) {
+        Self::bump(counter);
+        metrics::counter!(name).increment(1);
+    }
+
+    /// Deliveries received from the consumer.
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
+    /// Messages whose handler ran to completion here ([`Outcome::Executed`](idem_executor::Outcome::Executed)).
+    pub fn executed(&self) -> u64 {
+        self.executed.load(Ordering::Relaxed)
+    }
+
+    /// Duplicates answered from the store ([`Outcome::Replayed`](idem_executor::Outcome::Replayed)).
+    pub fn replayed(&self) -> u64 {
+        self.replayed.load(Ordering::Relaxed)
+    }
+
+    /// Other messages acknowledged (un-deduplicated runs that succeeded).
+    pub fn acked_other(&self) -> u64 {
+        self.acked_other.load(Ordering::Relaxed)
+    }
+
+    /// Messages published to the dead-letter subject.
+    pub fn dead_lettered(&self) -> u64 {
+        self.dead_lettered.load(Ordering::Relaxed)
+    }
+
+    /// Naks with a delay.
+    pub fn naks(&self) -> u64 {
+        self.naks.load(Ordering::Relaxed)
+    }
+
+    /// Progress acks sent.
+    pub fn progress(&self) -> u64 {
+        self.progress.load(Ordering::Relaxed)
+    }
+
+    /// Leases given back because the drain timed out before the handler started.
+    pub fn released(&self) -> u64 {
+        self.released.load(Ordering::Relaxed)
+    }
+
+    /// Messages given up at the drain timeout.
+    pub fn abandoned(&self) -> u64 {
+        self.abandoned.load(Ordering::Relaxed)
+    }
+
+    /// Acks, naks or terms that failed.
+    pub fn ack_failures(&self) -> u64 {
+        self.ack_failures.load(Ordering::Relaxed)
+    }
+
+    /// Dead-letter publications that failed.
+    pub fn publish_failures(&self) -> u64 {
+        self.publish_failures.load(Ordering::Relaxed)
+    }
+
+    /// Pull requests that failed.
+    pub fn stream_errors(&self) -> u64 {
+        self.stream_errors.load(Ordering::Relaxed)
+    }
+}

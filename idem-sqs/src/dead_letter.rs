@@ -1,0 +1,292 @@
+//! The dead-letter queue: what is sent there, and how.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::types::MessageAttributeValue;
+pub use idem_executor::DeadLetterReason;
+use idem_executor::{ExecutorError, Outcome};
+
+use crate::message::SqsMessage;
+
+/// Attribute naming why the message was dead-lettered: a [`DeadLetterReason`] code.
+pub const ATTR_REASON: &str = "idem-dlq-reason";
+/// Attribute with the error text: the last recorded error, or what was wrong with the message
+/// (characters SQS does not allow in attribute values written as `\u{..}`, cut to
+/// [`MAX_ERROR_LEN`] bytes with `…`; absent when the text is empty).
+pub const ATTR_ERROR: &str = "idem-dlq-error";
+/// Attribute with the number of attempts the store counted for the key (decimal; `0` when the
+/// handler never ran for this payload, as for a conflict or an unreadable message; `unknown`
+/// when the store could not be read).
+pub const ATTR_ATTEMPTS: &str = "idem-dlq-attempts";
+/// Attribute with the idempotency key id, when the message had a readable one (written as
+/// [`ATTR_ERROR`] is).
+pub const ATTR_KEY: &str = "idem-dlq-key";
+/// Attribute with the SQS message id of the original message.
+pub const ATTR_SOURCE_MESSAGE_ID: &str = "idem-dlq-source-message-id";
+/// Attribute listing (comma-separated) the original message attributes that did not fit:
+/// SQS takes at most [`MAX_ATTRIBUTES`] attributes per message, and the runner's own come first.
+pub const ATTR_DROPPED: &str = "idem-dlq-dropped-attributes";
+/// The most message attributes SQS takes on one message.
+pub const MAX_ATTRIBUTES: usize = 10;
+/// The longest error text written to [`ATTR_ERROR`], in bytes (the store keeps the whole text).
+pub const MAX_ERROR_LEN: usize = 4096;
+
+/// What the runner writes beside the original message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DeadLetterInfo {
+    pub(crate) reason: DeadLetterReason,
+    pub(crate) error: String,
+    /// `None` when the count must be read from the store.
+    pub(crate) attempts: Option<u32>,
+}
+
+/// What to write for a result whose broker action is
+/// [`BrokerAction::DeadLetter`](idem_executor::BrokerAction::DeadLetter): the action's `reason`
+/// and `error`, and the attempt count. `attempt` is the attempt of the handler run in this call
+/// (0 when the handler did not run).
+pub(crate) fn classify<T>(
+    result: &Result<Outcome<T>, ExecutorError>,
+    reason: DeadLetterReason,
+    error: String,
+    attempt: u32,
+) -> DeadLetterInfo {
+    let ran = (attempt > 0).then_some(attempt);
+    let attempts = match result {
+        // The handler never ran for this payload.
+        Ok(Outcome::Conflict)
+        | Err(
+            ExecutorError::MissingKey
+            | ExecutorError::InvalidKey(_)
+            | ExecutorError::InvalidMessage { .. },
+        ) => Some(0),
+        Ok(Outcome::Exhausted { attempts, .. }) => Some(*attempts),
+        Ok(Outcome::NotCommitted { attempt, .. }) => Some(*attempt),
+        // Un-deduplicated: the one run of this call, counted nowhere else.
+        Ok(Outcome::NotDeduplicated { .. }) => Some(1),
+        // A replayed result that does not decode: the count is the store's.
+        Err(ExecutorError::Decode { .. }) => None,
+        // `Failed`, `ResultNotStored`: this call's run, or (replayed) the store's count.
+        _ => ran,
+    };
+    DeadLetterInfo {
+        reason,
+        error,
+        attempts,
+    }
+}
+
+/// `text` as SQS takes it in an attribute value: the characters it refuses (controls other than
+/// tab, line feed and carriage return; U+FFFE, U+FFFF) written as `\u{..}`.
+pub(crate) fn attribute_text(text: &str) -> Cow<'_, str> {
+    let refused = |c: char| matches!(c, '\u{0}'..='\u{8}' | '\u{b}' | '\u{c}' | '\u{e}'..='\u{1f}' | '\u{fffe}' | '\u{ffff}');
+    if !text.chars().any(refused) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if refused(c) {
+            out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+fn string(value: &str) -> MessageAttributeValue {
+    MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(value)
+        .build()
+        .expect("the data type is set")
+}
+
+/// The dead-letter message's attributes: the runner's first, then the original ones (by name)
+/// while they fit in [`MAX_ATTRIBUTES`]; when some do not, the last place names them
+/// ([`ATTR_DROPPED`]).
+pub(crate) fn attributes(
+    msg: &SqsMessage,
+    info: &DeadLetterInfo,
+    attempts: Option<u32>,
+    key_id: Option<&str>,
+) -> HashMap<String, MessageAttributeValue> {
+    let mut out = HashMap::with_capacity(MAX_ATTRIBUTES);
+    out.insert(ATTR_REASON.to_owned(), string(info.reason.as_str()));
+    let error = attribute_text(&info.error);
+    let error = idem_core::fit_text(&error, MAX_ERROR_LEN);
+    if !error.is_empty() {
+        out.insert(ATTR_ERROR.to_owned(), string(&error));
+    }
+    let attempts = attempts.map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+    out.insert(ATTR_ATTEMPTS.to_owned(), string(&attempts));
+    if let Some(key) = key_id.filter(|k| !k.is_empty()) {
+        out.insert(ATTR_KEY.to_owned(), string(&attribute_text(key)));
+    }
+    if !msg.message_id().is_empty() {
+        out.insert(ATTR_SOURCE_MESSAGE_ID.to_owned(), string(msg.message_id()));
+    }
+    let mut original: Vec<(&String, &MessageAttributeValue)> = msg
+        .attributes()
+        .map(|a| {
+            a.iter()
+                .filter(|(name, _)| !out.contains_key(*name))
+                .collect()
+        })
+        .unwrap_or_default();
+    original.sort_by(|a, b| a.0.cmp(b.0));
+    let room = MAX_ATTRIBUTES - out.len();
+    if original.len() <= room {
+        out.extend(original.into_iter().map(|(k, v)| (k.clone(), v.clone())));
+    } else {
+        let dropped: Vec<&str> = original[room - 1..]
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .collect();
+        let dropped = dropped.join(",");
+        out.extend(
+            original[..room - 1]
+                .iter()
+                .map(|(k, v)| (String::clone(k), MessageAttributeValue::clone(v))),
+        );
+        out.insert(ATTR_DROPPED.to_owned(), string(&dropped));
+    }
+    out
+}
+
+/// The dead-letter queue and how to write to it.
+#[derive(Clone, Debug)]
+pub(crate) struct DeadLetterQueue {
+    pub(crate) url: String,
+    pub(crate) fifo: bool,
+}
+
+impl DeadLetterQueue {
+    /// Sends the original body with `attributes`. On a FIFO dead-letter queue the message keeps
+    /// its group (or `idem-dlq` from a standard queue), and its deduplication id is the source
+    /// message id, so a send repeated after a crash within SQS's five-minute window is dropped.
+    pub(crate) async fn send(
+        &self,
+        client: &Client,
+        msg: &SqsMessage,
+        attributes: HashMap<String, MessageAttributeValue>,
+    ) -> Result<(), aws_sdk_sqs::Error> {
+        let mut send = client
+            .send_message()
+            .queue_url(&self.url)
+            .message_body(msg.body())
+            .set_message_attributes(Some(attributes));
+        if self.fifo {
+            send = send
+                .message_group_id(msg.message_group_id().unwrap_or("idem-dlq"))
+                .message_deduplication_id(msg.message_id());
+        }
+        send.send().await.map(|_| ()).map_err(Into::into)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use aws_sdk_sqs::types::Message as Received;
+    use idem_executor::BrokerAction;
+
+    use super::*;
+
+    fn info(result: &Result<Outcome<()>, ExecutorError>, attempt: u32) -> DeadLetterInfo {
+        let BrokerAction::DeadLetter { reason, error } = BrokerAction::of(result) else {
+            panic!("not dead-lettered: {result:?}");
+        };
+        classify(result, reason, error, attempt)
+    }
+
+    fn text(attrs: &HashMap<String, MessageAttributeValue>, name: &str) -> Option<String> {
+        attrs.get(name)?.string_value().map(str::to_owned)
+    }
+
+    #[test]
+    fn classification() {
+        let conflict = info(&Ok(Outcome::Conflict), 0);
+        assert_eq!(
+            (conflict.reason, conflict.attempts),
+            (DeadLetterReason::Conflict, Some(0))
+        );
+        let exhausted = info(
+            &Ok(Outcome::Exhausted {
+                attempts: 3,
+                last_error: Some("boom".into()),
+            }),
+            0,
+        );
+        assert_eq!(
+            exhausted,
+            DeadLetterInfo {
+                reason: DeadLetterReason::Exhausted,
+                error: "boom".into(),
+                attempts: Some(3)
+            }
+        );
+        let failed = Ok(Outcome::Failed {
+            error: "bad amount".into(),
+        });
+        assert_eq!(info(&failed, 2).attempts, Some(2));
+        assert_eq!(info(&failed, 0).attempts, None, "replayed: ask the store");
+        let missing = info(&Err(ExecutorError::MissingKey), 0);
+        assert_eq!(
+            (missing.reason, missing.attempts),
+            (DeadLetterReason::MissingKey, Some(0))
+        );
+    }
+
+    #[test]
+    fn refused_characters_are_escaped_and_nothing_else() {
+        assert!(matches!(
+            attribute_text("plain ✓\ttab\nline"),
+            Cow::Borrowed(_)
+        ));
+        assert_eq!(
+            attribute_text("a\u{0}b\u{1b}c\u{ffff}"),
+            "a\\u{0}b\\u{1b}c\\u{ffff}"
+        );
+    }
+
+    #[test]
+    fn ours_first_then_the_originals_that_fit() {
+        let mut received = Received::builder().message_id("m-1").body("{}");
+        for i in 0..7 {
+            received = received.message_attributes(format!("a{i}"), string(&format!("v{i}")));
+        }
+        let msg = SqsMessage::new(received.build(), "http://q");
+        let info = DeadLetterInfo {
+            reason: DeadLetterReason::Conflict,
+            error: "fingerprint\u{0} conflict".into(),
+            attempts: Some(0),
+        };
+        let attrs = attributes(&msg, &info, Some(0), Some("tx-1"));
+        assert_eq!(attrs.len(), MAX_ATTRIBUTES);
+        assert_eq!(text(&attrs, ATTR_REASON).as_deref(), Some("conflict"));
+        assert_eq!(
+            text(&attrs, ATTR_ERROR).as_deref(),
+            Some("fingerprint\\u{0} conflict")
+        );
+        assert_eq!(text(&attrs, ATTR_ATTEMPTS).as_deref(), Some("0"));
+        assert_eq!(text(&attrs, ATTR_KEY).as_deref(), Some("tx-1"));
+        assert_eq!(text(&attrs, ATTR_SOURCE_MESSAGE_ID).as_deref(), Some("m-1"));
+        for i in 0..4 {
+            assert_eq!(text(&attrs, &format!("a{i}")), Some(format!("v{i}")));
+        }
+        assert_eq!(text(&attrs, ATTR_DROPPED).as_deref(), Some("a4,a5,a6"));
+
+        let few = SqsMessage::new(
+            Received::builder()
+                .message_id("m-2")
+                .message_attributes("idempotency-key", string("tx-2"))
+                .build(),
+            "http://q",
+        );
+        let attrs = attributes(&few, &info, None, None);
+        assert_eq!(text(&attrs, ATTR_ATTEMPTS).as_deref(), Some("unknown"));
+        assert_eq!(text(&attrs, "idempotency-key").as_deref(), Some("tx-2"));
+        assert!(!attrs.contains_key(ATTR_DROPPED) && !attrs.contains_key(ATTR_KEY));
+    }
+}

@@ -1,0 +1,320 @@
+//! Runner options.
+
+use std::time::Duration;
+
+use crate::error::RunnerError;
+
+/// The longest visibility timeout SQS accepts: 12 hours.
+pub const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 3600);
+/// The longest long poll SQS accepts: 20 seconds.
+pub const MAX_WAIT_TIME: Duration = Duration::from_secs(20);
+/// The most messages one `ReceiveMessage` (and one batched delete) takes: 10.
+pub const MAX_BATCH: usize = 10;
+
+/// Options of an [`SqsRunner`](crate::SqsRunner). Every field has a default; set them with the
+/// `with_*` methods.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_sqs::RunnerOptions;
+///
+/// let options = RunnerOptions::default()
+///     .with_max_in_flight(32)
+///     .with_wait_time(Duration::from_secs(5))
+///     .with_visibility_timeout(Duration::from_secs(60));
+/// # let _ = options;
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RunnerOptions {
+    /// Messages processed at once (default 16). The runner receives only as many messages as it
+    /// has room for, so none waits in memory with its visibility running out.
+    pub max_in_flight: usize,
+    /// The most messages asked for by one `ReceiveMessage` (default 10, at most 10).
+    pub batch_size: usize,
+    /// How long one `ReceiveMessage` waits for messages (long polling; default 20 s, at most
+    /// 20 s; whole seconds). Also the longest a shutdown waits for the receive in flight.
+    pub wait_time: Duration,
+    /// The visibility timeout asked for at each receive and set again at each extension while
+    /// the message is processed (default 30 s; whole seconds, at least 2 s, at most 12 h). It is
+    /// also how long a message stays invisible after its consumer died.
+    pub visibility_timeout: Duration,
+    /// How often the visibility of a message in process is extended. Default `None`: the
+    /// executor's heartbeat interval or a third of the visibility timeout, whichever is shorter,
+    /// so the visibility is extended at least as often as the lease. At most half the
+    /// visibility timeout.
+    pub visibility_extend_interval: Option<Duration>,
+    /// Shortest delay before a message is received again after a retry (default 1 s: SQS counts
+    /// visibility in whole seconds, so a hint of zero never spins).
+    pub min_retry_delay: Duration,
+    /// Longest delay before a message is received again after a retry (default 5 min, at most
+    /// 12 h). A key held by another consumer's live lease is looked at again at least this often.
+    pub max_retry_delay: Duration,
+    /// Pause between two tries of a failed dead-letter send (default 1 s). The message's
+    /// visibility is extended meanwhile; the executor is not called again.
+    pub dead_letter_retry_delay: Duration,
+    /// Longest wait at shutdown for the messages in process to finish (default 30 s); the ones
+    /// still running then are dropped, and SQS delivers them again once their visibility
+    /// timeout passes.
+    pub drain_timeout: Duration,
+    /// Batched delete calls sent at once (default 4). Acknowledged messages wait while all are
+    /// in flight, and go out together in the next call (up to 10 per call).
+    pub max_delete_calls: usize,
+}
+
+impl Default for RunnerOptions {
+    fn default() -> Self {
+        Self {
+            max_in_flight: 16,
+            batch_size: MAX_BATCH,
+            wait_time: MAX_WAIT_TIME,
+            visibility_timeout: Duration::from_secs(30),
+            visibility_extend_interval: None,
+            min_retry_delay: Duration::from_secs(1),
+            max_retry_delay: Duration::from_secs(300),
+            dead_letter_retry_delay: Duration::from_secs(1),
+            drain_timeout: Duration::from_secs(30),
+            max_delete_calls: 4,
+        }
+    }
+}
+
+impl RunnerOptions {
+    /// Sets [`max_in_flight`](Self::max_in_flight).
+    pub fn with_max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+
+    /// Sets [`batch_size`](Self::batch_size).
+    pub fn with_batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// Sets [`wait_time`](Self::wait_time).
+    pub fn with_wait_time(mut self, wait: Duration) -> Self {
+        self.wait_time = wait;
+        self
+    }
+
+    /// Sets [`visibility_timeout`](Self::visibility_timeout).
+    pub fn with_visibility_timeout(mut self, timeout: Duration) -> Self {
+        self.visibility_timeout = timeout;
+        self
+    }
+
+    /// Sets [`visibility_extend_interval`](Self::visibility_extend_interval).
+    pub fn with_visibility_extend_interval(mut self, interval: Duration) -> Self {
+        self.visibility_extend_interval = Some(interval);
+        self
+    }
+
+    /// Sets [`min_retry_delay`](Self::min_retry_delay) and [`max_retry_delay`](Self::max_retry_delay).
+    pub fn with_retry_delays(mut self, min: Duration, max: Duration) -> Self {
+        self.min_retry_delay = min;
+        self.max_retry_delay = max;
+        self
+    }
+
+    /// Sets [`dead_letter_retry_delay`](Self::dead_letter_retry_delay).
+    pub fn with_dead_letter_retry_delay(mut self, delay: Duration) -> Self {
+        self.dead_letter_retry_delay = delay;
+        self
+    }
+
+    /// Sets [`drain_timeout`](Self::drain_timeout).
+    pub fn with_drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// Sets [`max_delete_calls`](Self::max_delete_calls).
+    pub fn with_max_delete_calls(mut self, n: usize) -> Self {
+        self.max_delete_calls = n;
+        self
+    }
+
+    /// The visibility to set after a retry with this hint: clamped to the retry delays, then
+    /// rounded up to whole seconds.
+    pub(crate) fn retry_visibility(&self, hint: Duration) -> i32 {
+        seconds_up(hint.clamp(self.min_retry_delay, self.max_retry_delay))
+    }
+
+    /// The extension interval in force with an executor heartbeating every `heartbeat`.
+    pub(crate) fn extend_interval(&self, heartbeat: Duration) -> Duration {
+        self.visibility_extend_interval
+            .unwrap_or_else(|| heartbeat.min(self.visibility_timeout / 3))
+    }
+
+    pub(crate) fn validate(&self, heartbeat: Duration) -> Result<(), RunnerError> {
+        let whole = |field: &'static str, d: Duration| {
+            if d.subsec_nanos() == 0 {
+                Ok(())
+            } else {
+                Err(RunnerError::config(
+                    field,
+                    format!("{d:?} is not a whole number of seconds: SQS counts in seconds"),
+                ))
+            }
+        };
+        if self.max_in_flight == 0 {
+            return Err(RunnerError::config("max_in_flight", "must be at least 1"));
+        }
+        if self.max_delete_calls == 0 {
+            return Err(RunnerError::config(
+                "max_delete_calls",
+                "must be at least 1",
+            ));
+        }
+        if !(1..=MAX_BATCH).contains(&self.batch_size) {
+            return Err(RunnerError::config(
+                "batch_size",
+                format!("{} is not between 1 and {MAX_BATCH}", self.batch_size),
+            ));
+        }
+        whole("wait_time", self.wait_time)?;
+        if self.wait_time > MAX_WAIT_TIME {
+            return Err(RunnerError::config(
+                "wait_time",
+                format!(
+                    "{:?} is over SQS's longest poll, {MAX_WAIT_TIME:?}",
+                    self.wait_time
+                ),
+            ));
+        }
+        whole("visibility_timeout", self.visibility_timeout)?;
+        if self.visibility_timeout < Duration::from_secs(2)
+            || self.visibility_timeout > MAX_VISIBILITY
+        {
+            return Err(RunnerError::config(
+                "visibility_timeout",
+                format!("{:?} is not between 2 s and 12 h", self.visibility_timeout),
+            ));
+        }
+        let interval = self.extend_interval(heartbeat);
+        if interval.is_zero() || interval > self.visibility_timeout / 2 {
+            return Err(RunnerError::config(
+                "visibility_extend_interval",
+                format!(
+                    "{interval:?} must be above zero and at most half the visibility timeout \
+                     ({:?}), so that a failed extension is tried again in time",
+                    self.visibility_timeout
+                ),
+            ));
+        }
+        if self.min_retry_delay > self.max_retry_delay || self.max_retry_delay > MAX_VISIBILITY {
+            return Err(RunnerError::config(
+                "retry_delay",
+                format!(
+                    "min {:?} must be at most max {:?}, and max at most 12 h",
+                    self.min_retry_delay, self.max_retry_delay
+                ),
+            ));
+        }
+        if self.dead_letter_retry_delay.is_zero() {
+            return Err(RunnerError::config(
+                "dead_letter_retry_delay",
+                "must be above zero",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `d` in whole seconds, rounded up, as SQS takes them.
+pub(crate) fn seconds_up(d: Duration) -> i32 {
+    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    i32::try_from(secs).unwrap_or(i32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEARTBEAT: Duration = Duration::from_secs(10);
+
+    fn field(r: Result<(), RunnerError>) -> &'static str {
+        match r {
+            Err(RunnerError::Config { field, .. }) => field,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn retry_visibility_is_clamped_and_rounded_up() {
+        let o = RunnerOptions::default();
+        assert_eq!(o.retry_visibility(Duration::ZERO), 1);
+        assert_eq!(o.retry_visibility(Duration::from_millis(1500)), 2);
+        assert_eq!(o.retry_visibility(Duration::from_secs(3)), 3);
+        assert_eq!(o.retry_visibility(Duration::from_secs(3600)), 300);
+    }
+
+    #[test]
+    fn the_extension_keeps_in_step_with_the_lease() {
+        let o = RunnerOptions::default();
+        assert_eq!(o.extend_interval(HEARTBEAT), HEARTBEAT, "the lease's pace");
+        assert_eq!(
+            o.extend_interval(Duration::from_secs(60)),
+            Duration::from_secs(10),
+            "a third of the visibility when the lease beats slower"
+        );
+        assert!(o.validate(HEARTBEAT).is_ok());
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let d = RunnerOptions::default;
+        assert_eq!(
+            field(d().with_max_in_flight(0).validate(HEARTBEAT)),
+            "max_in_flight"
+        );
+        assert_eq!(
+            field(d().with_batch_size(11).validate(HEARTBEAT)),
+            "batch_size"
+        );
+        assert_eq!(
+            field(d().with_batch_size(0).validate(HEARTBEAT)),
+            "batch_size"
+        );
+        assert_eq!(
+            field(
+                d().with_wait_time(Duration::from_secs(21))
+                    .validate(HEARTBEAT)
+            ),
+            "wait_time"
+        );
+        assert_eq!(
+            field(
+                d().with_wait_time(Duration::from_millis(500))
+                    .validate(HEARTBEAT)
+            ),
+            "wait_time"
+        );
+        assert_eq!(
+            field(
+                d().with_visibility_timeout(Duration::from_secs(1))
+                    .validate(HEARTBEAT)
+            ),
+            "visibility_timeout"
+        );
+        assert_eq!(
+            field(
+                d().with_visibility_extend_interval(Duration::from_secs(16))
+                    .validate(HEARTBEAT)
+            ),
+            "visibility_extend_interval"
+        );
+        assert_eq!(
+            field(
+                d().with_retry_delays(Duration::from_secs(2), Duration::from_secs(1))
+                    .validate(HEARTBEAT)
+            ),
+            "retry_delay"
+        );
+        assert_eq!(
+            field(d().with_max_delete_calls(0).validate(HEARTBEAT)),
+            "max_delete_calls"
+        );
+    }
+}

@@ -1,0 +1,512 @@
+//! The runner: builder, receive loop, dispatch (FIFO groups in order), drain.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::types::{MessageSystemAttributeName, QueueAttributeName};
+use idem_executor::{Codec, Executor, Handler, JsonCodec, Plain, Recorder};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::dead_letter::DeadLetterQueue;
+use crate::deleter::Deleter;
+use crate::error::RunnerError;
+use crate::message::SqsMessage;
+use crate::options::{RunnerOptions, seconds_up};
+use crate::stats::{RunnerStats, metric_names as m};
+use crate::worker::{self, Common, Done};
+
+/// First pause after a failed `ReceiveMessage`; it doubles up to [`RECEIVE_BACKOFF_MAX`].
+const RECEIVE_BACKOFF_MIN: Duration = Duration::from_millis(100);
+const RECEIVE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Runs a handler over an SQS queue through an [`Executor`]: deletes what is resolved, makes
+/// retries visible again later, dead-letters with reasons. See the [crate docs](crate) for the
+/// exact semantics.
+///
+/// `R` is the executor's [`Recorder`]: [`Plain`] (the handler returns its result `T`), or
+/// [`Transactional<S>`](idem_executor::Transactional) (the handler returns a
+/// [`Commit`](idem_executor::Commit) of its result and the writes to commit with it).
+///
+/// Build it with [`SqsRunner::builder`], then [`run`](Self::run) it until a shutdown signal.
+pub struct SqsRunner<H, T, C = JsonCodec, R = Plain> {
+    client: Client,
+    queue_url: String,
+    dead_letter_queue_url: String,
+    options: Arc<RunnerOptions>,
+    executor: Executor<C, R>,
+    handler: Arc<H>,
+    stats: Arc<RunnerStats>,
+    _result: PhantomData<fn() -> T>,
+}
+
+impl<H, T, C, R> std::fmt::Debug for SqsRunner<H, T, C, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqsRunner")
+            .field("queue_url", &self.queue_url)
+            .field("dead_letter_queue_url", &self.dead_letter_queue_url)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds an [`SqsRunner`].
+#[must_use]
+pub struct SqsRunnerBuilder<H, T, C = JsonCodec, R = Plain> {
+    client: Client,
+    queue_url: String,
+    dead_letter_queue_url: Option<String>,
+    options: RunnerOptions,
+    executor: Executor<C, R>,
+    handler: H,
+    _result: PhantomData<fn() -> T>,
+}
+
+impl<H, T, C, R> std::fmt::Debug for SqsRunnerBuilder<H, T, C, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqsRunnerBuilder")
+            .field("queue_url", &self.queue_url)
+            .field("dead_letter_queue_url", &self.dead_letter_queue_url)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H, T, C, R> SqsRunner<H, T, C, R>
+where
+    H: Handler<SqsMessage, R::Returns<T>>,
+    R::Returns<T>: Send,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    /// A builder over an SQS client, the URL of the queue to consume, the executor and the
+    /// handler. A [dead-letter queue](SqsRunnerBuilder::dead_letter_queue) is required.
+    ///
+    /// The client's read (or operation attempt) timeout, if it sets one, must be longer than
+    /// [`wait_time`](RunnerOptions::wait_time): a long poll waits that long for messages.
+    pub fn builder(
+        client: Client,
+        queue_url: impl Into<String>,
+        executor: Executor<C, R>,
+        handler: H,
+    ) -> SqsRunnerBuilder<H, T, C, R> {
+        SqsRunnerBuilder {
+            client,
+            queue_url: queue_url.into(),
+            dead_letter_queue_url: None,
+            options: RunnerOptions::default(),
+            executor,
+            handler,
+            _result: PhantomData,
+        }
+    }
+
+    /// The live counters, to watch the runner while it runs.
+    pub fn stats(&self) -> Arc<RunnerStats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &RunnerOptions {
+        &self.options
+    }
+
+    /// The interval at which the visibility of a message in process is extended: the
+    /// [option](RunnerOptions::visibility_extend_interval), or the executor's heartbeat interval
+    /// or a third of the visibility timeout, whichever is shorter.
+    pub fn visibility_extend_interval(&self) -> Duration {
+        self.options
+            .extend_interval(self.executor.heartbeat_interval())
+    }
+
+    /// Receives and processes messages until `shutdown` completes (or the queue is deleted),
+    /// then drains: no message is received any more (what a receive in flight still returns is
+    /// made visible again at once, unprocessed), the messages in process finish (up to
+    /// [`drain_timeout`](RunnerOptions::drain_timeout), after which they are dropped and SQS
+    /// delivers them again once their visibility passes), and the pending deletes are sent.
+    ///
+    /// First reads the attributes of the queue and of the dead-letter queue (whether each is
+    /// FIFO). Must be called within a Tokio runtime: the message tasks are spawned on it.
+    ///
+    /// # Errors
+    /// [`RunnerError::Sqs`] when a queue's attributes cannot be read at start (the queue does not
+    /// exist, or the credentials may not read it), or when the queue disappears while it runs
+    /// (after the drain).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RunnerError> {
+        let fifo = is_fifo(&self.client, &self.queue_url).await?;
+        let dead_letter = DeadLetterQueue {
+            fifo: is_fifo(&self.client, &self.dead_letter_queue_url).await?,
+            url: self.dead_letter_queue_url.clone(),
+        };
+        let options = Arc::clone(&self.options);
+        let (deleter, deleter_task) = Deleter::start(
+            self.client.clone(),
+            self.queue_url.clone(),
+            options.max_delete_calls,
+            Arc::clone(&self.stats),
+        );
+        let common = Arc::new(Common {
+            extend_every: self.visibility_extend_interval(),
+            executor: self.executor,
+            handler: self.handler,
+            client: self.client.clone(),
+            queue_url: self.queue_url.clone().into(),
+            dead_letter,
+            options: Arc::clone(&options),
+            stats: Arc::clone(&self.stats),
+            deleter,
+            drain: CancellationToken::new(),
+        });
+        tracing::info!(queue_url = %self.queue_url, fifo, dead_letter_queue_url = %common.dead_letter.url, "sqs runner started");
+        let mut receiver = Receiver {
+            common: Arc::clone(&common),
+            fifo,
+            permits: Arc::new(Semaphore::new(options.max_in_flight)),
+            tasks: JoinSet::new(),
+            groups: HashMap::new(),
+        };
+        let result = receiver.receive_until(shutdown).await;
+        receiver.drain().await;
+        drop(receiver);
+        // The last handle to the deleter goes with `common`: its loop sends what is left, then ends.
+        drop(common);
+        let _ = deleter_task.await;
+        tracing::info!(queue_url = %self.queue_url, "sqs runner stopped");
+        result
+    }
+}
+
+impl<H, T, C, R> SqsRunnerBuilder<H, T, C, R>
+where
+    H: Handler<SqsMessage, R::Returns<T>>,
+    R::Returns<T>: Send,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    /// The queue that dead-lettered messages are sent to (required), with their reason
+    /// attributes (see [Dead-letter messages](crate#dead-letter-messages)). The runner never
+    /// creates queues.
+    pub fn dead_letter_queue(mut self, url: impl Into<String>) -> Self {
+        self.dead_letter_queue_url = Some(url.into());
+        self
+    }
+
+    /// Replaces the options.
+    pub fn options(mut self, options: RunnerOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Changes the options in place, e.g. `.configure(|o| o.with_max_in_flight(32))`.
+    pub fn configure(mut self, f: impl FnOnce(RunnerOptions) -> RunnerOptions) -> Self {
+        self.options = f(self.options);
+        self
+    }
+
+    /// Validates the options (against the executor's heartbeat interval too).
+    ///
+    /// # Errors
+    /// [`RunnerError::Config`] naming the bad option (no dead-letter queue, a dead-letter queue
+    /// that is the source queue, a batch over 10, ...).
+    pub fn build(self) -> Result<SqsRunner<H, T, C, R>, RunnerError> {
+        self.options.validate(self.executor.heartbeat_interval())?;
+        if self.queue_url.is_empty() {
+            return Err(RunnerError::config("queue_url", "is empty"));
+        }
+        let Some(dead_letter_queue_url) = self.dead_letter_queue_url.filter(|u| !u.is_empty())
+        else {
+            return Err(RunnerError::config(
+                "dead_letter_queue",
+                "is not set: conflicts and poison messages need a dead-letter queue",
+            ));
+        };
+        if dead_letter_queue_url == self.queue_url {
+            return Err(RunnerError::config(
+                "dead_letter_queue",
+                "is the source queue: dead letters would be received again",
+            ));
+        }
+        Ok(SqsRunner {
+            client: self.client,
+            queue_url: self.queue_url,
+            dead_letter_queue_url,
+            options: Arc::new(self.options),
+            executor: self.executor,
+            handler: Arc::new(self.handler),
+            stats: Arc::new(RunnerStats::default()),
+            _result: PhantomData,
+        })
+    }
+}
+
+/// Whether the queue is FIFO, from its `FifoQueue` attribute.
+async fn is_fifo(client: &Client, url: &str) -> Result<bool, RunnerError> {
+    let out = client
+        .get_queue_attributes()
+        .queue_url(url)
+        .attribute_names(QueueAttributeName::FifoQueue)
+        .send()
+        .await
+        .map_err(|e| RunnerError::sqs(format!("reading the attributes of {url}"), e))?;
+    Ok(out
+        .attributes()
+        .and_then(|a| a.get(&QueueAttributeName::FifoQueue))
+        .is_some_and(|v| v == "true"))
+}
+
+/// The receive loop's state.
+struct Receiver<H, C, R> {
+    common: Arc<Common<H, C, R>>,
+    fifo: bool,
+    /// One permit per message in process.
+    permits: Arc<Semaphore>,
+    tasks: JoinSet<()>,
+    /// Per FIFO group, the "finished" signal of the last task dispatched for it: the next one
+    /// waits for it, so a group's messages run one at a time, in the order received.
+    groups: HashMap<String, CancellationToken>,
+}
+
+impl<H, C, R> Receiver<H, C, R>
+where
+    C: Codec,
+    R: Recorder,
+{
+    /// Receives and dispatches until `shutdown` completes, or the queue is gone.
+    async fn receive_until<T>(
+        &mut self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), RunnerError>
+    where
+        H: Handler<SqsMessage, R::Returns<T>>,
+        R::Returns<T>: Send,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        let common = Arc::clone(&self.common);
+        let options = &common.options;
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut backoff = RECEIVE_BACKOFF_MIN;
+        loop {
+            // Room for one message at least, and as many more as a batch takes.
+            let first = tokio::select! {
+                biased;
+                () = &mut shutdown => return Ok(()),
+                permit = Arc::clone(&self.permits).acquire_owned() => permit.expect("never closed"),
+            };
+            let mut held = vec![first];
+            while held.len() < options.batch_size {
+                match Arc::clone(&self.permits).try_acquire_owned() {
+                    Ok(permit) => held.push(permit),
+                    Err(_) => break,
+                }
+            }
+            self.reap();
+            let receive = common
+                .client
+                .receive_message()
+                .queue_url(&*common.queue_url)
+                .max_number_of_messages(held.len() as i32)
+                .wait_time_seconds(seconds_up(options.wait_time))
+                .visibility_timeout(seconds_up(options.visibility_timeout))
+                .message_attribute_names("All")
+                .message_system_attribute_names(MessageSystemAttributeName::All)
+                .send();
+            let mut receive = std::pin::pin!(receive);
+            let mut stopping = false;
+            let received = tokio::select! {
+                biased;
+                received = &mut receive => received,
+                () = &mut shutdown => {
+                    // Let the long poll return rather than drop what it may have taken.
+                    stopping = true;
+                    receive.await
+                }
+            };
+            match received {
+                Ok(out) => {
+                    backoff = RECEIVE_BACKOFF_MIN;
+                    RunnerStats::bump(&common.stats.receives);
+                    let messages: Vec<SqsMessage> = out
+                        .messages
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|msg| SqsMessage::new(msg, Arc::clone(&common.queue_url)))
+                        .collect();
+                    RunnerStats::count(&common.stats.received, m::RECEIVED, messages.len() as u64);
+                    if stopping {
+                        worker::release(
+                            &common.client,
+                            &common.queue_url,
+                            &common.stats,
+                            &messages,
+                        )
+                        .await;
+                        return Ok(());
+                    }
+                    self.dispatch::<T>(messages, held);
+                }
+                Err(e) => {
+                    let e = aws_sdk_sqs::Error::from(e);
+                    if matches!(e, aws_sdk_sqs::Error::QueueDoesNotExist(_)) {
+                        tracing::error!(error = %e, "the queue is gone: draining and stopping");
+                        return Err(RunnerError::sqs("receiving messages", e));
+                    }
+                    RunnerStats::count(&common.stats.receive_errors, m::RECEIVE_ERRORS, 1);
+                    tracing::warn!(error = %e, retry_in = ?backoff, "ReceiveMessage failed");
+                    if stopping {
+                        return Ok(());
+                    }
+                    drop(held);
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return Ok(()),
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(RECEIVE_BACKOFF_MAX);
+                }
+            }
+        }
+    }
+
+    /// Spawns the tasks of a received batch, one permit each (the permits left over go back).
+    fn dispatch<T>(&mut self, messages: Vec<SqsMessage>, held: Vec<OwnedSemaphorePermit>)
+    where
+        H: Handler<SqsMessage, R::Returns<T>>,
+        R::Returns<T>: Send,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        let mut permits = held.into_iter();
+        if !self.fifo {
+            for msg in messages {
+                let permit = permits.next();
+                let common = Arc::clone(&self.common);
+                self.tasks.spawn(async move {
+                    let _permit = permit;
+                    let span = message_span(&msg);
+                    common.process::<T>(&msg).instrument(span).await;
+                });
+            }
+            return;
+        }
+        // FIFO: the batch's messages by group, each group in the order received.
+        let mut groups: Vec<(String, Vec<(SqsMessage, Option<OwnedSemaphorePermit>)>)> = Vec::new();
+        for msg in messages {
+            let group = msg.message_group_id().unwrap_or_default().to_owned();
+            let item = (msg, permits.next());
+            match groups.iter_mut().find(|(g, _)| *g == group) {
+                Some((_, items)) => items.push(item),
+                None => groups.push((group, vec![item])),
+            }
+        }
+        if self.groups.len() > 4 * self.common.options.max_in_flight {
+            self.groups.retain(|_, done| !done.is_cancelled());
+        }
+        for (group, items) in groups {
+            let finished = CancellationToken::new();
+            let before = self.groups.insert(group, finished.clone());
+            let common = Arc::clone(&self.common);
+            self.tasks.spawn(async move {
+                // Signals the next task of the group however this one ends (even aborted).
+                let _finished = finished.drop_guard();
+                if let Some(before) = before {
+                    before.cancelled().await;
+                }
+                common.process_group::<T>(items).await;
+            });
+        }
+    }
+
+    /// Drops the results of the tasks that ended, logging the ones that panicked.
+    fn reap(&mut self) {
+        while let Some(ended) = self.tasks.try_join_next() {
+            log_panic(ended);
+        }
+    }
+
+    /// Waits for the tasks in process, up to the drain timeout, then drops the rest.
+    async fn drain(&mut self) {
+        self.common.drain.cancel();
+        let deadline = Instant::now() + self.common.options.drain_timeout;
+        loop {
+            tokio::select! {
+                ended = self.tasks.join_next() => match ended {
+                    Some(ended) => log_panic(ended),
+                    None => return,
+                },
+                () = tokio::time::sleep_until(deadline) => {
+                    let left = self.common.options.max_in_flight - self.permits.available_permits();
+                    tracing::warn!(in_process = left, "drain timeout: dropping the messages still in process (SQS delivers them again once their visibility passes; their leases expire)");
+                    RunnerStats::add(&self.common.stats.abandoned, left as u64);
+                    self.tasks.abort_all();
+                    while let Some(ended) = self.tasks.join_next().await {
+                        log_panic(ended);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl<H, C, R> Common<H, C, R>
+where
+    C: Codec,
+    R: Recorder,
+{
+    /// A FIFO group's messages of one batch, one at a time, in order. After a retry the rest
+    /// waits behind it: made visible again at once, SQS hands them out again only after the
+    /// retried message (a group with a message in flight gives out no other). So does the
+    /// rest at shutdown.
+    async fn process_group<T>(&self, items: Vec<(SqsMessage, Option<OwnedSemaphorePermit>)>)
+    where
+        H: Handler<SqsMessage, R::Returns<T>>,
+        R::Returns<T>: Send,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        let mut items = items.into_iter();
+        while let Some((msg, permit)) = items.next() {
+            let rest: Vec<SqsMessage> = if self.drain.is_cancelled() {
+                std::iter::once(msg).chain(items.map(|(m, _)| m)).collect()
+            } else {
+                let span = message_span(&msg);
+                let done = self.process::<T>(&msg).instrument(span).await;
+                drop(permit);
+                if done == Done::Resolved {
+                    continue;
+                }
+                items.map(|(m, _)| m).collect()
+            };
+            if !rest.is_empty() {
+                worker::release(&self.client, &self.queue_url, &self.stats, &rest).await;
+            }
+            return;
+        }
+    }
+}
+
+fn message_span(msg: &SqsMessage) -> tracing::Span {
+    tracing::debug_span!(
+        "idem_sqs_message",
+        message_id = msg.message_id(),
+        group = msg.message_group_id(),
+        receive_count = msg.receive_count()
+    )
+}
+
+fn log_panic(ended: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = ended
+        && e.is_panic()
+    {
+        tracing::error!(error = %e, "a message task panicked (outside the handler, whose panics the executor catches): its message comes back once its visibility passes");
+    }
+}

@@ -1,0 +1,307 @@
+//! One message from receipt to resolution: the executor call, then the delete, the retry or the
+//! dead-letter send, with the message's visibility extended all along.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::types::ChangeMessageVisibilityBatchRequestEntry;
+use idem_executor::{BrokerAction, Codec, Executor, ExecutorError, Handler, Outcome, Recorder};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::dead_letter::{self, DeadLetterInfo, DeadLetterQueue};
+use crate::deleter::Deleter;
+use crate::message::SqsMessage;
+use crate::options::{MAX_BATCH, RunnerOptions, seconds_up};
+use crate::stats::{RunnerStats, metric_names as m};
+
+/// Everything the message tasks of one run share.
+pub(crate) struct Common<H, C, R> {
+    pub(crate) executor: Executor<C, R>,
+    pub(crate) handler: Arc<H>,
+    pub(crate) client: Client,
+    pub(crate) queue_url: Arc<str>,
+    pub(crate) dead_letter: DeadLetterQueue,
+    pub(crate) options: Arc<RunnerOptions>,
+    pub(crate) stats: Arc<RunnerStats>,
+    pub(crate) deleter: Deleter,
+    /// How often the visibility of a message in process is extended.
+    pub(crate) extend_every: Duration,
+    /// Cancelled at shutdown: start no other message of a FIFO group.
+    pub(crate) drain: CancellationToken,
+}
+
+/// How a message ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Done {
+    /// Deleted (acknowledged or dead-lettered), or its delete failed: either way the next message
+    /// of its FIFO group may go.
+    Resolved,
+    /// Made visible again later: on a FIFO queue the rest of its group must wait for it.
+    Retried,
+}
+
+impl<H, C, R> Common<H, C, R>
+where
+    C: Codec,
+    R: Recorder,
+{
+    /// Processes `msg` until it is resolved or retried, extending its visibility meanwhile.
+    pub(crate) async fn process<T>(&self, msg: &SqsMessage) -> Done
+    where
+        H: Handler<SqsMessage, R::Returns<T>>,
+        R::Returns<T>: Send,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        tokio::select! {
+            biased;
+            done = self.resolve::<T>(msg) => done,
+            never = self.keep_visible(msg) => match never {},
+        }
+    }
+
+    /// Extends the visibility of `msg` every `extend_every`, for as long as it is polled (the
+    /// whole processing of the message: the acquire, the handler under its lease, the
+    /// completion, the dead-letter send, the delete). A failed extension is logged and counted;
+    /// the next one comes at the next interval, before the visibility runs out (the interval is
+    /// at most half the visibility timeout).
+    async fn keep_visible(&self, msg: &SqsMessage) -> Infallible {
+        let visibility = seconds_up(self.options.visibility_timeout);
+        let mut next = Instant::now() + self.extend_every;
+        loop {
+            tokio::time::sleep_until(next).await;
+            next += self.extend_every;
+            let sent = self
+                .client
+                .change_message_visibility()
+                .queue_url(&*self.queue_url)
+                .receipt_handle(msg.receipt_handle())
+                .visibility_timeout(visibility)
+                .send()
+                .await;
+            match sent {
+                Ok(_) => RunnerStats::count(
+                    &self.stats.visibility_extensions,
+                    m::VISIBILITY_EXTENSIONS,
+                    1,
+                ),
+                Err(e) => {
+                    RunnerStats::count(&self.stats.visibility_failures, m::VISIBILITY_FAILURES, 1);
+                    tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "visibility extension failed; trying again at the next interval");
+                }
+            }
+        }
+    }
+
+    /// The executor call and what follows from its broker action.
+    async fn resolve<T>(&self, msg: &SqsMessage) -> Done
+    where
+        H: Handler<SqsMessage, R::Returns<T>>,
+        R::Returns<T>: Send,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        let (result, attempt) = self.execute::<T>(msg).await;
+        match BrokerAction::of(&result) {
+            BrokerAction::Ack => {
+                let stats = &self.stats;
+                match &result {
+                    Ok(Outcome::Executed(_)) => RunnerStats::count(&stats.executed, m::EXECUTED, 1),
+                    Ok(Outcome::Replayed(_)) => RunnerStats::count(&stats.replayed, m::REPLAYED, 1),
+                    _ => RunnerStats::bump(&stats.acked_other),
+                }
+                tracing::debug!(outcome = outcome_name(&result), "acknowledged: deleting");
+                drop(result);
+                self.delete(msg).await;
+                Done::Resolved
+            }
+            BrokerAction::DeadLetter { reason, error } => {
+                let info = dead_letter::classify(&result, reason, error, attempt);
+                drop(result);
+                self.dead_letter_until_sent(msg, &info).await;
+                self.delete(msg).await;
+                Done::Resolved
+            }
+            BrokerAction::Retry { after } => {
+                tracing::debug!(outcome = outcome_name(&result), hint = ?after, "not resolved: received again later");
+                self.retry(msg, after).await;
+                Done::Retried
+            }
+            _ => {
+                self.retry(msg, self.options.min_retry_delay).await;
+                Done::Retried
+            }
+        }
+    }
+
+    /// One executor call; returns its result and the attempt of the handler run in it (0 when
+    /// the handler did not run).
+    async fn execute<T>(&self, msg: &SqsMessage) -> (Result<Outcome<T>, ExecutorError>, u32)
+    where
+        H: Handler<SqsMessage, R::Returns<T>>,
+        R::Returns<T>: Send,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        let attempt = Arc::new(AtomicU32::new(0));
+        let ran = Arc::clone(&attempt);
+        let handler = Arc::clone(&self.handler);
+        let record = msg.clone();
+        let result = self
+            .executor
+            .run(msg, move |ctx| {
+                ran.store(ctx.attempt(), Ordering::Relaxed);
+                handler.call(record, ctx)
+            })
+            .await;
+        (result, attempt.load(Ordering::Relaxed))
+    }
+
+    async fn delete(&self, msg: &SqsMessage) {
+        if let Err(e) = self.deleter.delete(msg.receipt_handle()).await {
+            tracing::warn!(error = %e, "delete failed: SQS delivers the message again once its visibility passes, and the store replays it");
+        }
+    }
+
+    /// Makes `msg` visible again after `after` (clamped to the retry delays, whole seconds).
+    async fn retry(&self, msg: &SqsMessage, after: Duration) {
+        RunnerStats::count(&self.stats.retries, m::RETRIES, 1);
+        let secs = self.options.retry_visibility(after);
+        let sent = self
+            .client
+            .change_message_visibility()
+            .queue_url(&*self.queue_url)
+            .receipt_handle(msg.receipt_handle())
+            .visibility_timeout(secs)
+            .send()
+            .await;
+        if let Err(e) = sent {
+            RunnerStats::count(&self.stats.visibility_failures, m::VISIBILITY_FAILURES, 1);
+            tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "could not set the retry visibility: the message comes back when its current visibility passes");
+        }
+    }
+
+    /// Sends `msg` to the dead-letter queue, trying again every `dead_letter_retry_delay` until
+    /// it is accepted (the executor is not called again: for an un-deduplicated message that
+    /// would run the handler again). A shutdown that times out drops it unsent: the message is
+    /// then received again, and the store gives the same outcome.
+    async fn dead_letter_until_sent(&self, msg: &SqsMessage, info: &DeadLetterInfo) {
+        let key_id = self
+            .executor
+            .config()
+            .key_source
+            .extract(msg)
+            .ok()
+            .flatten();
+        let attempts = match info.attempts {
+            Some(n) => Some(n),
+            None => self.stored_attempts(key_id.as_deref()).await,
+        };
+        let attributes = dead_letter::attributes(msg, info, attempts, key_id.as_deref());
+        loop {
+            match self
+                .dead_letter
+                .send(&self.client, msg, attributes.clone())
+                .await
+            {
+                Ok(()) => {
+                    RunnerStats::bump(&self.stats.dead_lettered);
+                    metrics::counter!(m::DEAD_LETTERED, "reason" => info.reason.as_str())
+                        .increment(1);
+                    tracing::warn!(
+                        reason = info.reason.as_str(),
+                        error = %info.error,
+                        attempts = ?attempts,
+                        key = key_id.as_deref(),
+                        dead_letter_queue = %self.dead_letter.url,
+                        "message dead-lettered"
+                    );
+                    return;
+                }
+                Err(e) => {
+                    RunnerStats::count(
+                        &self.stats.dead_letter_failures,
+                        m::DEAD_LETTER_FAILURES,
+                        1,
+                    );
+                    tracing::error!(error = %e, "dead-letter send failed; trying again");
+                    tokio::time::sleep(self.options.dead_letter_retry_delay).await;
+                }
+            }
+        }
+    }
+
+    /// The attempt count the store holds for the key (best effort, for the attribute).
+    async fn stored_attempts(&self, key_id: Option<&str>) -> Option<u32> {
+        let key = self.executor.namespace().key(key_id?).ok()?;
+        match self.executor.store().get(&key).await {
+            Ok(Some(record)) => Some(record.attempts),
+            _ => None,
+        }
+    }
+}
+
+/// Makes `messages` visible again at once, unprocessed (the rest of a FIFO group behind a retry,
+/// or what a receive returned after the shutdown began).
+pub(crate) async fn release(
+    client: &Client,
+    queue_url: &str,
+    stats: &RunnerStats,
+    messages: &[SqsMessage],
+) {
+    for chunk in messages.chunks(MAX_BATCH) {
+        let entries: Vec<ChangeMessageVisibilityBatchRequestEntry> = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, msg)| {
+                ChangeMessageVisibilityBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .receipt_handle(msg.receipt_handle())
+                    .visibility_timeout(0)
+                    .build()
+                    .expect("id and receipt handle are set")
+            })
+            .collect();
+        let sent = client
+            .change_message_visibility_batch()
+            .queue_url(queue_url)
+            .set_entries(Some(entries))
+            .send()
+            .await;
+        match sent {
+            Ok(out) => {
+                RunnerStats::add(&stats.released, out.successful().len() as u64);
+                if !out.failed().is_empty() {
+                    RunnerStats::count(
+                        &stats.visibility_failures,
+                        m::VISIBILITY_FAILURES,
+                        out.failed().len() as u64,
+                    );
+                    tracing::warn!(
+                        failed = out.failed().len(),
+                        "some messages could not be made visible again: they come back when their visibility passes"
+                    );
+                }
+            }
+            Err(e) => {
+                RunnerStats::count(
+                    &stats.visibility_failures,
+                    m::VISIBILITY_FAILURES,
+                    chunk.len() as u64,
+                );
+                tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "could not make messages visible again: they come back when their visibility passes");
+            }
+        }
+    }
+}
+
+fn outcome_name<T>(result: &Result<Outcome<T>, ExecutorError>) -> &'static str {
+    match result {
+        Ok(outcome) => outcome.name(),
+        Err(ExecutorError::Store { .. }) => "store_error",
+        Err(_) => "error",
+    }
+}
