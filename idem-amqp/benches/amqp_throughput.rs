@@ -124,7 +124,7 @@ fn rate(n: usize, d: Duration) -> f64 {
 async fn measure<F, Fut>(conn: &Connection, queue: &str, keys: &[String], consume: F) -> Duration
 where
     F: FnOnce(String) -> Fut,
-    Fut: std::future::Future<Output = ()>,
+    Fut: std::future::Future<Output = Instant>,
 {
     let ch = conn.create_channel().await.unwrap();
     ch.queue_declare(
@@ -170,10 +170,11 @@ where
         assert!(c.await.unwrap().is_ack());
     }
     let started = Instant::now();
-    tokio::time::timeout(Duration::from_secs(300), consume(queue.to_owned()))
+    // The instant the last message was settled (a shutdown's drain afterwards is not counted).
+    let settled = tokio::time::timeout(Duration::from_secs(300), consume(queue.to_owned()))
         .await
         .expect("consumed within 5 minutes");
-    let took = started.elapsed();
+    let took = settled - started;
     let topology = QueueTopology::new(queue);
     for q in [queue, &topology.retry_queue, &topology.dead_letter_queue] {
         let _ = ch
@@ -191,7 +192,7 @@ where
 }
 
 /// Consumes `queue` until it is empty, calling `each` in a task per delivery.
-async fn consume_all<F, Fut>(url: String, queue: String, total: u64, each: F)
+async fn consume_all<F, Fut>(url: String, queue: String, total: u64, each: F) -> Instant
 where
     F: Fn(Vec<u8>, BasicProperties) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
@@ -215,9 +216,9 @@ where
     let done = Arc::new(AtomicU64::new(0));
     let all = CancellationToken::new();
     let each = Arc::new(each);
-    loop {
+    let settled = loop {
         tokio::select! {
-            () = all.cancelled() => break,
+            () = all.cancelled() => break Instant::now(),
             next = consumer.next() => {
                 let delivery = next.expect("consumer ended").expect("delivery");
                 let (done, all, each) = (Arc::clone(&done), all.clone(), Arc::clone(&each));
@@ -230,13 +231,14 @@ where
                 });
             }
         }
-    }
+    };
     let _ = conn.close(200, "bye".into()).await;
+    settled
 }
 
-async fn raw_consumer(url: String, queue: String) {
+async fn raw_consumer(url: String, queue: String) -> Instant {
     let total = depth(&url, &queue).await;
-    consume_all(url, queue, total, |_, _| async {}).await;
+    consume_all(url, queue, total, |_, _| async {}).await
 }
 
 async fn hand_written(
@@ -244,7 +246,7 @@ async fn hand_written(
     queue: String,
     redis: redis::aio::ConnectionManager,
     prefix: String,
-) {
+) -> Instant {
     let total = depth(&url, &queue).await;
     consume_all(url, queue, total, move |body, props| {
         let mut redis = redis.clone();
@@ -277,10 +279,10 @@ async fn hand_written(
             }
         }
     })
-    .await;
+    .await
 }
 
-async fn with_runner(url: String, queue: String, prefix: String) {
+async fn with_runner(url: String, queue: String, prefix: String) -> Instant {
     let total = depth(&url, &queue).await;
     let store = RedisStore::connect_with(&redis_url(), RedisConfig::default().with_prefix(prefix))
         .await
@@ -296,13 +298,16 @@ async fn with_runner(url: String, queue: String, prefix: String) {
     let stats = runner.stats();
     let stop = CancellationToken::new();
     let watch = stop.clone();
-    tokio::spawn(async move {
+    let watcher = tokio::spawn(async move {
         while stats.executed() + stats.replayed() < total {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+        let settled = Instant::now();
         watch.cancel();
+        settled
     });
     runner.run(stop.cancelled_owned()).await.unwrap();
+    watcher.await.unwrap()
 }
 
 async fn depth(url: &str, queue: &str) -> u64 {

@@ -211,9 +211,11 @@ where
         let lost = CancellationToken::new();
         let mut tasks = JoinSet::new();
         let mut failures = 0u32;
+        let half = u32::try_from(options.max_in_flight.div_ceil(2)).unwrap_or(u32::MAX);
         while !stop.is_cancelled() {
-            // Pull as many messages as there are free slots (at least one): nothing waits in a
-            // client buffer with its ack deadline running.
+            // Pull as many messages as there are free slots, once at least half of them are
+            // free (fewer, larger pulls; the other half keeps working meanwhile): nothing waits
+            // in a client buffer with its ack deadline running.
             let first = tokio::select! {
                 biased;
                 () = stop.cancelled() => break,
@@ -221,9 +223,14 @@ where
                     report(joined);
                     continue;
                 }
-                p = Arc::clone(&permits).acquire_owned() => p.expect("the semaphore is never closed"),
+                p = Arc::clone(&permits).acquire_many_owned(half) => p.expect("the semaphore is never closed"),
             };
-            let mut slots = vec![first];
+            let mut group = first;
+            let mut slots = Vec::with_capacity(options.max_in_flight);
+            while group.num_permits() > 1 {
+                slots.push(group.split(1).expect("more than one permit"));
+            }
+            slots.push(group);
             while slots.len() < options.max_in_flight {
                 match Arc::clone(&permits).try_acquire_owned() {
                     Ok(p) => slots.push(p),

@@ -349,6 +349,7 @@ where
                             &common.queue_url,
                             &common.stats,
                             &messages,
+                            0,
                         )
                         .await;
                         return Ok(());
@@ -463,10 +464,14 @@ where
     C: Codec,
     R: Recorder,
 {
-    /// A FIFO group's messages of one batch, one at a time, in order. After a retry the rest
-    /// waits behind it: made visible again at once, SQS hands them out again only after the
-    /// retried message (a group with a message in flight gives out no other). So does the
-    /// rest at shutdown.
+    /// A FIFO group's messages of one batch, one at a time, in order.
+    ///
+    /// After a retry, the rest of the batch's messages of the group get the same visibility as
+    /// the retried one (set just after it), so they become visible again just after it, never
+    /// before: SQS gives a group's messages out in order once they are visible, and no other
+    /// while one of them is in flight. (Making them visible at once would do on SQS, whose group
+    /// stays blocked while the retried message is invisible; LocalStack's does not.) At
+    /// shutdown, the messages not started are made visible again at once.
     async fn process_group<T>(&self, items: Vec<(SqsMessage, Option<OwnedSemaphorePermit>)>)
     where
         H: Handler<SqsMessage, R::Returns<T>>,
@@ -475,19 +480,29 @@ where
     {
         let mut items = items.into_iter();
         while let Some((msg, permit)) = items.next() {
-            let rest: Vec<SqsMessage> = if self.drain.is_cancelled() {
-                std::iter::once(msg).chain(items.map(|(m, _)| m)).collect()
+            let (rest, visibility): (Vec<SqsMessage>, i32) = if self.drain.is_cancelled() {
+                (
+                    std::iter::once(msg).chain(items.map(|(m, _)| m)).collect(),
+                    0,
+                )
             } else {
                 let span = message_span(&msg);
                 let done = self.process::<T>(&msg).instrument(span).await;
                 drop(permit);
-                if done == Done::Resolved {
-                    continue;
+                match done {
+                    Done::Resolved => continue,
+                    Done::Retried { visibility } => (items.map(|(m, _)| m).collect(), visibility),
                 }
-                items.map(|(m, _)| m).collect()
             };
             if !rest.is_empty() {
-                worker::release(&self.client, &self.queue_url, &self.stats, &rest).await;
+                worker::release(
+                    &self.client,
+                    &self.queue_url,
+                    &self.stats,
+                    &rest,
+                    visibility,
+                )
+                .await;
             }
             return;
         }

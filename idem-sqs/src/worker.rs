@@ -42,8 +42,12 @@ pub(crate) enum Done {
     /// Deleted (acknowledged or dead-lettered), or its delete failed: either way the next message
     /// of its FIFO group may go.
     Resolved,
-    /// Made visible again later: on a FIFO queue the rest of its group must wait for it.
-    Retried,
+    /// Made visible again after `visibility` seconds: on a FIFO queue the rest of its group
+    /// must wait for it.
+    Retried {
+        /// The visibility timeout set, in seconds.
+        visibility: i32,
+    },
 }
 
 impl<H, C, R> Common<H, C, R>
@@ -128,13 +132,13 @@ where
             }
             BrokerAction::Retry { after } => {
                 tracing::debug!(outcome = outcome_name(&result), hint = ?after, "not resolved: received again later");
-                self.retry(msg, after).await;
-                Done::Retried
+                Done::Retried {
+                    visibility: self.retry(msg, after).await,
+                }
             }
-            _ => {
-                self.retry(msg, self.options.min_retry_delay).await;
-                Done::Retried
-            }
+            _ => Done::Retried {
+                visibility: self.retry(msg, self.options.min_retry_delay).await,
+            },
         }
     }
 
@@ -166,8 +170,9 @@ where
         }
     }
 
-    /// Makes `msg` visible again after `after` (clamped to the retry delays, whole seconds).
-    async fn retry(&self, msg: &SqsMessage, after: Duration) {
+    /// Makes `msg` visible again after `after` (clamped to the retry delays, whole seconds);
+    /// returns the seconds set.
+    async fn retry(&self, msg: &SqsMessage, after: Duration) -> i32 {
         RunnerStats::count(&self.stats.retries, m::RETRIES, 1);
         let secs = self.options.retry_visibility(after);
         let sent = self
@@ -182,6 +187,7 @@ where
             RunnerStats::count(&self.stats.visibility_failures, m::VISIBILITY_FAILURES, 1);
             tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "could not set the retry visibility: the message comes back when its current visibility passes");
         }
+        secs
     }
 
     /// Sends `msg` to the dead-letter queue, trying again every `dead_letter_retry_delay` until
@@ -244,13 +250,15 @@ where
     }
 }
 
-/// Makes `messages` visible again at once, unprocessed (the rest of a FIFO group behind a retry,
-/// or what a receive returned after the shutdown began).
+/// Makes `messages` visible again after `visibility` seconds, unprocessed (the rest of a FIFO
+/// group behind a retry, the rest of a group at shutdown, or what a receive returned after the
+/// shutdown began).
 pub(crate) async fn release(
     client: &Client,
     queue_url: &str,
     stats: &RunnerStats,
     messages: &[SqsMessage],
+    visibility: i32,
 ) {
     for chunk in messages.chunks(MAX_BATCH) {
         let entries: Vec<ChangeMessageVisibilityBatchRequestEntry> = chunk
@@ -260,7 +268,7 @@ pub(crate) async fn release(
                 ChangeMessageVisibilityBatchRequestEntry::builder()
                     .id(i.to_string())
                     .receipt_handle(msg.receipt_handle())
-                    .visibility_timeout(0)
+                    .visibility_timeout(visibility)
                     .build()
                     .expect("id and receipt handle are set")
             })
