@@ -6,7 +6,8 @@
 //!   result PX` in Redis around a no-op handler, then the ack (none of idem's guarantees: no
 //!   fencing, no heartbeat or progress ack, no conflict detection, no nak or dead letter);
 //! - **runner**: [`NatsRunner`] with the Redis store around the same no-op handler (double acks,
-//!   progress acks, one pull per free slot).
+//!   progress acks, pulls sized to the free slots);
+//! - and, for the runner's own share, the runner over a `MemoryStore` (no store round trip).
 //!
 //! The raw and hand-written consumers read `messages()` (the client's prefetching pull stream)
 //! and run each message in its own task, at most [`IN_FLIGHT`] at once, as the runner does.
@@ -81,28 +82,62 @@ async fn bench() {
     );
 
     let name = format!("bench_raw_{run}");
-    let raw = Box::pin(measure(&js, &name, &keys, raw_consumer(js.clone(), name.clone(), n))).await;
-    println!("  raw consumer (ack only):         {:>9.0} msg/s", rate(n, raw));
+    let raw = Box::pin(measure(
+        &js,
+        &name,
+        &keys,
+        raw_consumer(js.clone(), name.clone(), n),
+    ))
+    .await;
+    println!(
+        "  raw consumer (ack only):         {:>9.0} msg/s",
+        rate(n, raw)
+    );
 
     let name = format!("bench_hand_{run}");
     let hand = Box::pin(measure(
         &js,
         &name,
         &keys,
-        hand_written(js.clone(), name.clone(), n, redis.clone(), format!("{name}:")),
+        hand_written(
+            js.clone(),
+            name.clone(),
+            n,
+            redis.clone(),
+            format!("{name}:"),
+        ),
     ))
     .await;
-    println!("  hand-written SET NX + SET:       {:>9.0} msg/s", rate(n, hand));
+    println!(
+        "  hand-written SET NX + SET:       {:>9.0} msg/s",
+        rate(n, hand)
+    );
 
     let name = format!("bench_runner_{run}");
     let runner = Box::pin(measure(
         &js,
         &name,
         &keys,
-        with_runner(client.clone(), name.clone(), n, format!("{name}:")),
+        with_runner(client.clone(), name.clone(), n, Some(format!("{name}:"))),
     ))
     .await;
-    println!("  NatsRunner + RedisStore:         {:>9.0} msg/s", rate(n, runner));
+    println!(
+        "  NatsRunner + RedisStore:         {:>9.0} msg/s",
+        rate(n, runner)
+    );
+
+    let name = format!("bench_memory_{run}");
+    let memory = Box::pin(measure(
+        &js,
+        &name,
+        &keys,
+        with_runner(client.clone(), name.clone(), n, None),
+    ))
+    .await;
+    println!(
+        "  NatsRunner + MemoryStore:        {:>9.0} msg/s (the runner and the server without a store round trip)",
+        rate(n, memory)
+    );
     println!(
         "  runner / hand-written: {:.2} (target >= 0.80); raw / runner: {:.1}",
         hand.as_secs_f64() / runner.as_secs_f64(),
@@ -229,7 +264,11 @@ async fn hand_written(
         let mut redis = redis.clone();
         let prefix = prefix.clone();
         async move {
-            let msg = NatsMessage::new(message.subject.to_string(), message.payload, message.headers);
+            let msg = NatsMessage::new(
+                message.subject.to_string(),
+                message.payload,
+                message.headers,
+            );
             let key = format!(
                 "{prefix}{}",
                 String::from_utf8_lossy(msg.header("idempotency-key").unwrap())
@@ -259,11 +298,22 @@ async fn hand_written(
     .await
 }
 
-async fn with_runner(client: async_nats::Client, name: String, total: usize, prefix: String) -> Instant {
-    let store = RedisStore::connect_with(&redis_url(), RedisConfig::default().with_prefix(prefix))
-        .await
-        .unwrap();
-    let executor = Executor::new(Arc::new(store), ExecutorConfig::new("bench")).unwrap();
+/// The runner over the Redis store under `prefix`, or over a `MemoryStore` (`None`).
+async fn with_runner(
+    client: async_nats::Client,
+    name: String,
+    total: usize,
+    prefix: Option<String>,
+) -> Instant {
+    let store: idem_core::DynStore = match prefix {
+        Some(prefix) => Arc::new(
+            RedisStore::connect_with(&redis_url(), RedisConfig::default().with_prefix(prefix))
+                .await
+                .unwrap(),
+        ),
+        None => Arc::new(idem_core::MemoryStore::new()),
+    };
+    let executor = Executor::new(store, ExecutorConfig::new("bench")).unwrap();
     let handler = |msg: NatsMessage, _ctx: HandlerContext| async move {
         Ok::<_, HandlerError>(format!("handled {} bytes", msg.payload().len()))
     };

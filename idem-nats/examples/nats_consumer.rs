@@ -67,7 +67,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     let executor = Executor::builder(Arc::new(store))
         .config(ExecutorConfig::new("payments"))
-        .on_dead_letter(|dl| tracing::error!(key = %dl.key, error = %dl.last_error, "poison payment"))
+        .on_dead_letter(
+            |dl| tracing::error!(key = %dl.key, error = %dl.last_error, "poison payment"),
+        )
         .build()?;
     let handler = |msg: NatsMessage, ctx: HandlerContext| async move {
         let payment: serde_json::Value =

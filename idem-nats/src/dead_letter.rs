@@ -134,7 +134,10 @@ pub(crate) fn headers(
         (HEADER_KEY, key_id.map(escape)),
         (HEADER_SOURCE_STREAM, Some(msg.stream().to_owned())),
         (HEADER_SOURCE_SUBJECT, Some(msg.subject().to_owned())),
-        (HEADER_SOURCE_SEQUENCE, Some(msg.stream_sequence().to_string())),
+        (
+            HEADER_SOURCE_SEQUENCE,
+            Some(msg.stream_sequence().to_string()),
+        ),
         (HEADER_DELIVERED, Some(msg.delivered().to_string())),
         (HEADER_SOURCE_MSG_ID, source_msg_id),
     ];
@@ -207,7 +210,10 @@ mod tests {
         assert_eq!(get(HEADER_ERROR).as_deref(), Some("bad\\nline"));
         assert_eq!(get(HEADER_KEY).as_deref(), Some("k\\r1"));
         assert_eq!(get(HEADER_ATTEMPTS).as_deref(), Some("2"));
-        assert_eq!(get(HEADER_SOURCE_SUBJECT).as_deref(), Some("orders.created"));
+        assert_eq!(
+            get(HEADER_SOURCE_SUBJECT).as_deref(),
+            Some("orders.created")
+        );
         assert_eq!(get(HEADER_SOURCE_MSG_ID).as_deref(), Some("producer-1"));
         assert_eq!(get("Nats-Msg-Id").as_deref(), Some(":0"), "stream:sequence");
     }

@@ -130,7 +130,11 @@ mod tests {
         let msg = NatsMessage::new("orders.created", "{}", Some(headers));
         assert_eq!(msg.header("idempotency-key"), Some(&b"tx-1"[..]));
         assert_eq!(msg.header("Idempotency-Key"), None, "names are exact");
-        assert_eq!(msg.header("bad:name"), None, "no panic on a name NATS refuses");
+        assert_eq!(
+            msg.header("bad:name"),
+            None,
+            "no panic on a name NATS refuses"
+        );
         assert_eq!(msg.message_key(), Some(&b"m-1"[..]));
         assert_eq!(Message::payload(&msg), b"{}");
     }

@@ -217,7 +217,11 @@ impl RunnerOptions {
     }
 
     /// Checks the options against the executor's heartbeat interval and maximum attempts.
-    pub(crate) fn validate(&self, heartbeat: Duration, max_attempts: u32) -> Result<(), RunnerError> {
+    pub(crate) fn validate(
+        &self,
+        heartbeat: Duration,
+        max_attempts: u32,
+    ) -> Result<(), RunnerError> {
         if self.max_in_flight == 0 {
             return Err(RunnerError::config("max_in_flight", "must be at least 1"));
         }
@@ -268,7 +272,12 @@ impl RunnerOptions {
             }
             _ => {}
         }
-        check_consumer(self.ack_wait, self.max_deliver.unwrap_or(-1), heartbeat, max_attempts)
+        check_consumer(
+            self.ack_wait,
+            self.max_deliver.unwrap_or(-1),
+            heartbeat,
+            max_attempts,
+        )
     }
 }
 
@@ -319,7 +328,10 @@ mod tests {
     fn delays_are_clamped() {
         let o = RunnerOptions::default();
         assert_eq!(o.retry_delay(Duration::ZERO), Duration::from_millis(100));
-        assert_eq!(o.retry_delay(Duration::from_secs(90)), Duration::from_secs(30));
+        assert_eq!(
+            o.retry_delay(Duration::from_secs(90)),
+            Duration::from_secs(30)
+        );
         assert_eq!(o.reconnect_delay(0), Duration::from_millis(100));
         assert_eq!(o.reconnect_delay(50), Duration::from_secs(5));
     }

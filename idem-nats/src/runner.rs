@@ -178,9 +178,10 @@ where
                     RunnerError::nats(format!("getting or creating consumer {}", self.consumer), e)
                 })?
         } else {
-            stream.get_consumer(&self.consumer).await.map_err(|e| {
-                RunnerError::nats(format!("getting consumer {}", self.consumer), e)
-            })?
+            stream
+                .get_consumer(&self.consumer)
+                .await
+                .map_err(|e| RunnerError::nats(format!("getting consumer {}", self.consumer), e))?
         };
         let config = &consumer.cached_info().config;
         if config.ack_policy != AckPolicy::Explicit {
@@ -458,7 +459,9 @@ where
             ticks.tick().await;
             match self.acker.ack_with(AckKind::Progress).await {
                 Ok(()) => RunnerStats::count(&self.common.stats.progress, m::PROGRESS),
-                Err(e) => tracing::warn!(error = %e, "progress ack failed; the ack deadline may pass"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "progress ack failed; the ack deadline may pass")
+                }
             }
         }
     }
@@ -493,8 +496,12 @@ where
         match BrokerAction::of(&result) {
             BrokerAction::Ack => {
                 match &result {
-                    Ok(Outcome::Executed(_)) => RunnerStats::count(&common.stats.executed, m::EXECUTED),
-                    Ok(Outcome::Replayed(_)) => RunnerStats::count(&common.stats.replayed, m::REPLAYED),
+                    Ok(Outcome::Executed(_)) => {
+                        RunnerStats::count(&common.stats.executed, m::EXECUTED)
+                    }
+                    Ok(Outcome::Replayed(_)) => {
+                        RunnerStats::count(&common.stats.replayed, m::REPLAYED)
+                    }
                     _ => RunnerStats::bump(&common.stats.acked_other),
                 }
                 self.send(AckKind::Ack, true).await;
@@ -554,7 +561,10 @@ where
             None => common.execution.stored_attempts(key_id.as_deref()).await,
         };
         let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
-        let subject = common.options.dead_letter_subject.for_subject(msg.subject());
+        let subject = common
+            .options
+            .dead_letter_subject
+            .for_subject(msg.subject());
         loop {
             let publish = async {
                 common

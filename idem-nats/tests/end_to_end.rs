@@ -19,9 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use idem_nats::{NatsMessage, NatsRunner, RunnerOptions};
 use idem_core::{IdempotencyStore, Namespace, RecordState};
 use idem_executor::{ExecutorConfig, HandlerContext, HandlerError, Message};
+use idem_nats::{NatsMessage, NatsRunner, RunnerOptions};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use redis::AsyncCommands;
@@ -122,7 +122,13 @@ async fn child_main() {
         .with_max_attempts(10)
         .with_retry_delay(Duration::from_millis(100));
     let client = connect(&nats_url()).await;
-    let runner = NatsRunner::builder(client, &names.queue, "workers", executor(store, config), handler)
+    let runner = NatsRunner::builder(
+        client,
+        &names.queue,
+        "workers",
+        executor(store, config),
+        handler,
+    )
     .options(
         RunnerOptions::default()
             .with_max_in_flight(16)
@@ -334,7 +340,11 @@ async fn two_processes_one_killed_give_exactly_one_effect_per_key() {
         async move { consumer_state(&js, &stream, "workers").await == (0, 0) }
     })
     .await;
-    assert!(emptied, "{:?}", consumer_state(&js, &names.queue, "workers").await);
+    assert!(
+        emptied,
+        "{:?}",
+        consumer_state(&js, &names.queue, "workers").await
+    );
     let emptied_in = started.elapsed();
 
     // Graceful stop of both survivors.
@@ -432,7 +442,11 @@ async fn two_processes_one_killed_give_exactly_one_effect_per_key() {
     );
     // A dead letter published twice (a SIGKILL between the publication and the term) is stored
     // once: it carries `Nats-Msg-Id: <stream>:<sequence>`.
-    assert_eq!(dead.len(), CONFLICTS, "one dead letter per conflicting message");
+    assert_eq!(
+        dead.len(),
+        CONFLICTS,
+        "one dead letter per conflicting message"
+    );
     delete_streams(&js, &names.queue).await;
 
     eprintln!(

@@ -98,7 +98,10 @@ async fn duplicates_replay_conflicts_and_poison_dead_letter() {
     assert!(done, "{stats:?}");
     let runs = runs.lock().unwrap().clone();
     assert_eq!(runs.get("poison"), Some(&3), "three attempts");
-    assert!(runs.iter().all(|(k, n)| k == "poison" || *n == 1), "{runs:?}");
+    assert!(
+        runs.iter().all(|(k, n)| k == "poison" || *n == 1),
+        "{runs:?}"
+    );
     assert!(stats.naks() >= 2, "{stats:?}");
 
     let dead = read_stream(&js, &format!("{name}_dlq")).await;
@@ -123,7 +126,10 @@ async fn duplicates_replay_conflicts_and_poison_dead_letter() {
     let poison = dead.iter().find(|r| r.body.contains("-1")).unwrap();
     assert_eq!(poison.subject, format!("dlq.{name}.orders"));
     let error = idem_nats::unescape(&poison.header(idem_nats::HEADER_ERROR).unwrap());
-    assert!(error.contains("cannot handle") && error.ends_with("\nsecond line"), "{error:?}");
+    assert!(
+        error.contains("cannot handle") && error.ends_with("\nsecond line"),
+        "{error:?}"
+    );
     assert_eq!(poison.header("idempotency-key").as_deref(), Some("poison"));
     assert_eq!(
         consumer_state(&js, &name, "workers").await,
@@ -230,23 +236,40 @@ async fn the_last_allowed_delivery_is_dead_lettered_not_dropped() {
     // Another worker holds the key for a minute.
     let key = Namespace::new("maxdeliver").unwrap().key("held").unwrap();
     let held = store
-        .acquire(&AcquireRequest::new(key.clone(), "someone-else").with_lease_ttl(Duration::from_secs(60)))
+        .acquire(
+            &AcquireRequest::new(key.clone(), "someone-else")
+                .with_lease_ttl(Duration::from_secs(60)),
+        )
         .await
         .unwrap();
-    assert!(matches!(held, idem_core::AcquireOutcome::Acquired { .. }), "{held:?}");
-    publish(&js, &name, &[Msg::keyed("held", "{}"), Msg::keyed("free", "{}")]).await;
+    assert!(
+        matches!(held, idem_core::AcquireOutcome::Acquired { .. }),
+        "{held:?}"
+    );
+    publish(
+        &js,
+        &name,
+        &[Msg::keyed("held", "{}"), Msg::keyed("free", "{}")],
+    )
+    .await;
     let config = ExecutorConfig::new("maxdeliver")
         .with_max_attempts(3)
         .with_fingerprint(idem_executor::FingerprintPolicy::Off);
     let handler = |_msg: NatsMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
-    let runner = NatsRunner::builder(client, &name, "workers", executor(shared(store), config), handler)
-        .options(
-            options()
-                .with_max_deliver(Some(4))
-                .with_retry_delays(Duration::from_millis(50), Duration::from_millis(100)),
-        )
-        .build()
-        .unwrap();
+    let runner = NatsRunner::builder(
+        client,
+        &name,
+        "workers",
+        executor(shared(store), config),
+        handler,
+    )
+    .options(
+        options()
+            .with_max_deliver(Some(4))
+            .with_retry_delays(Duration::from_millis(50), Duration::from_millis(100)),
+    )
+    .build()
+    .unwrap();
     let stats = runner.stats();
     let stop = CancellationToken::new();
     let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
@@ -257,13 +280,26 @@ async fn the_last_allowed_delivery_is_dead_lettered_not_dropped() {
     })
     .await;
     assert!(done, "{stats:?}");
-    assert_eq!(stats.naks(), 3, "three naks, then the fourth delivery is dead-lettered");
+    assert_eq!(
+        stats.naks(),
+        3,
+        "three naks, then the fourth delivery is dead-lettered"
+    );
     let dead = read_stream(&js, &format!("{name}_dlq")).await;
     assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].header(idem_nats::HEADER_REASON).as_deref(), Some("exhausted"));
-    assert_eq!(dead[0].header(idem_nats::HEADER_DELIVERED).as_deref(), Some("4"));
+    assert_eq!(
+        dead[0].header(idem_nats::HEADER_REASON).as_deref(),
+        Some("exhausted")
+    );
+    assert_eq!(
+        dead[0].header(idem_nats::HEADER_DELIVERED).as_deref(),
+        Some("4")
+    );
     assert!(
-        dead[0].header(idem_nats::HEADER_ERROR).unwrap().contains("max_deliver"),
+        dead[0]
+            .header(idem_nats::HEADER_ERROR)
+            .unwrap()
+            .contains("max_deliver"),
         "{dead:?}"
     );
     assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
@@ -319,7 +355,11 @@ async fn shutdown_drains_in_flight_messages() {
     assert!(done);
     let ran = u64::from(started.load(Ordering::SeqCst));
     assert!((4..20).contains(&ran), "{ran}");
-    assert_eq!(stats.executed(), ran, "every started handler finished: {stats:?}");
+    assert_eq!(
+        stats.executed(),
+        ran,
+        "every started handler finished: {stats:?}"
+    );
     let (pending, ack_pending) = consumer_state(&js, &name, "workers").await;
     assert_eq!(
         (pending, ack_pending),

@@ -86,7 +86,10 @@ async fn runner_recovers_from_a_server_restart() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     server.restart().await;
     let restarted_in = restart.elapsed();
-    assert!(at_kill < KEYS, "the server died mid-run ({at_kill} of {KEYS})");
+    assert!(
+        at_kill < KEYS,
+        "the server died mid-run ({at_kill} of {KEYS})"
+    );
 
     let all = wait_for(Duration::from_secs(60), || {
         let (r, l) = (redis.clone(), ledger.clone());
@@ -109,7 +112,10 @@ async fn runner_recovers_from_a_server_restart() {
     let ledger: HashMap<String, u64> = redis.hgetall(&ledger).await.unwrap();
     assert_eq!(ledger.len(), KEYS);
     let twice: Vec<_> = ledger.iter().filter(|(_, n)| **n != 1).collect();
-    assert!(twice.is_empty(), "exactly one effect per key; more for {twice:?}");
+    assert!(
+        twice.is_empty(),
+        "exactly one effect per key; more for {twice:?}"
+    );
     assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
     eprintln!(
         "server restart: killed with {at_kill}/{KEYS} effects, back in {restarted_in:?}, all \

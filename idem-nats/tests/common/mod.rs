@@ -43,7 +43,10 @@ pub fn redis_url() -> String {
 
 /// A name no other run uses (letters, digits and `_`: valid in stream names and subjects).
 pub fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+    format!(
+        "{prefix}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
 }
 
 pub fn init_tracing() {
@@ -250,7 +253,14 @@ impl PrivateServer {
             .open(self.dir.join("server.log"))
             .unwrap();
         let child = std::process::Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
             .arg(self.dir.join("store"))
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone().unwrap())
