@@ -25,7 +25,7 @@ pub struct RunnerOptions {
     pub prefetch: u16,
     /// Shortest delay of a retry (default 100 ms), so a hint of zero never spins.
     pub min_retry_delay: Duration,
-    /// Longest delay of a retry (default 30 s): a key held by a live lease is looked at again at
+    /// Longest delay of a retry (default 5 s): a key held by a live lease is looked at again at
     /// least this often. Also the most a retry can be held up by the ones ahead of it in the
     /// retry queue (the broker expires messages at the head of a queue only).
     pub max_retry_delay: Duration,
@@ -61,7 +61,7 @@ impl Default for RunnerOptions {
         Self {
             prefetch: 16,
             min_retry_delay: Duration::from_millis(100),
-            max_retry_delay: Duration::from_secs(30),
+            max_retry_delay: Duration::from_secs(5),
             publish_timeout: Duration::from_secs(30),
             orphan_timeout: Duration::from_secs(10),
             release_timeout: Duration::from_secs(5),
@@ -211,7 +211,7 @@ mod tests {
         );
         assert_eq!(
             o.retry_delay(Duration::from_secs(90)),
-            Duration::from_secs(30)
+            Duration::from_secs(5)
         );
         assert_eq!(o.reconnect_delay(0), Duration::from_millis(100));
         assert_eq!(o.reconnect_delay(3), Duration::from_millis(800));

@@ -76,7 +76,7 @@ pub struct RunnerOptions {
     pub filter_subject: Option<String>,
     /// Shortest nak delay (default 100 ms), so a hint of zero never spins.
     pub min_retry_delay: Duration,
-    /// Longest nak delay (default 30 s): a key held by a live lease is looked at again at least
+    /// Longest nak delay (default 5 s): a key held by a live lease is looked at again at least
     /// this often.
     pub max_retry_delay: Duration,
     /// Where dead letters go (default: `dlq.` + the message's subject).
@@ -110,7 +110,7 @@ impl Default for RunnerOptions {
             max_deliver: None,
             filter_subject: None,
             min_retry_delay: Duration::from_millis(100),
-            max_retry_delay: Duration::from_secs(30),
+            max_retry_delay: Duration::from_secs(5),
             dead_letter_subject: DeadLetterSubject::default(),
             publish_timeout: Duration::from_secs(30),
             orphan_timeout: Duration::from_secs(10),
@@ -330,7 +330,7 @@ mod tests {
         assert_eq!(o.retry_delay(Duration::ZERO), Duration::from_millis(100));
         assert_eq!(
             o.retry_delay(Duration::from_secs(90)),
-            Duration::from_secs(30)
+            Duration::from_secs(5)
         );
         assert_eq!(o.reconnect_delay(0), Duration::from_millis(100));
         assert_eq!(o.reconnect_delay(50), Duration::from_secs(5));

@@ -155,6 +155,7 @@ async fn runner(
     redis: &str,
     n: u64,
     in_flight: usize,
+    delete_calls: usize,
 ) -> Duration {
     let prefix = format!("idem-sqs-bench-{}:", uuid::Uuid::new_v4().simple());
     let store = RedisStore::connect_with(redis, RedisConfig::default().with_prefix(prefix))
@@ -168,6 +169,7 @@ async fn runner(
         .options(
             RunnerOptions::default()
                 .with_max_in_flight(in_flight)
+                .with_max_delete_calls(delete_calls)
                 .with_wait_time(Duration::from_secs(1)),
         )
         .build()
@@ -214,6 +216,10 @@ fn main() {
     let n: usize = env("IDEM_BENCH_MESSAGES", 5000);
     let loops: usize = env("IDEM_BENCH_LOOPS", 2);
     let in_flight: usize = env("IDEM_BENCH_IN_FLIGHT", 32);
+    let delete_calls: usize = env(
+        "IDEM_BENCH_DELETE_CALLS",
+        RunnerOptions::default().max_delete_calls,
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -228,7 +234,7 @@ fn main() {
         fill(&client, &url, "raw", n).await;
         let raw_took = raw(&client, &url, n as u64, loops).await;
         fill(&client, &url, "runner", n).await;
-        let runner_took = runner(&client, &url, &dlq, &redis, n as u64, in_flight).await;
+        let runner_took = runner(&client, &url, &dlq, &redis, n as u64, in_flight, delete_calls).await;
 
         let rate = |took: Duration| n as f64 / took.as_secs_f64();
         println!(
@@ -236,7 +242,7 @@ fn main() {
             rate(raw_took)
         );
         println!(
-            "idem-sqs runner (max_in_flight {in_flight}, Redis store, no-op handler): {n} messages in {runner_took:.2?}: {:.0} msg/s",
+            "idem-sqs runner (max_in_flight {in_flight}, max_delete_calls {delete_calls}, Redis store, no-op handler): {n} messages in {runner_took:.2?}: {:.0} msg/s",
             rate(runner_took)
         );
         println!(

@@ -61,20 +61,46 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .behavior_version(BehaviorVersion::latest())
             .endpoint_url(&endpoint)
             .region(Region::new("us-east-1"))
-            .credentials_provider(Credentials::new("example", "example", None, None, "example"))
+            .credentials_provider(Credentials::new(
+                "example", "example", None, None, "example",
+            ))
             .build(),
     );
-    let queue = sqs.create_queue().queue_name(QUEUE).send().await?.queue_url.unwrap_or_default();
-    let dlq = sqs.create_queue().queue_name(DLQ).send().await?.queue_url.unwrap_or_default();
+    let queue = sqs
+        .create_queue()
+        .queue_name(QUEUE)
+        .send()
+        .await?
+        .queue_url
+        .unwrap_or_default();
+    let dlq = sqs
+        .create_queue()
+        .queue_name(DLQ)
+        .send()
+        .await?
+        .queue_url
+        .unwrap_or_default();
 
     // A run of its own: keys that earlier runs did not use.
     let run = std::process::id();
     let payments = [
-        (Some(format!("pay-{run}-1")), r#"{"account":"alice","amount":10}"#),
-        (Some(format!("pay-{run}-2")), r#"{"account":"bob","amount":25}"#),
-        (Some(format!("pay-{run}-1")), r#"{"account":"alice","amount":10}"#), // a duplicate
-        (Some(format!("pay-{run}-2")), r#"{"account":"bob","amount":99}"#), // key reused
-        (None, r#"{"account":"carol","amount":5}"#),                          // no key
+        (
+            Some(format!("pay-{run}-1")),
+            r#"{"account":"alice","amount":10}"#,
+        ),
+        (
+            Some(format!("pay-{run}-2")),
+            r#"{"account":"bob","amount":25}"#,
+        ),
+        (
+            Some(format!("pay-{run}-1")),
+            r#"{"account":"alice","amount":10}"#,
+        ), // a duplicate
+        (
+            Some(format!("pay-{run}-2")),
+            r#"{"account":"bob","amount":99}"#,
+        ), // key reused
+        (None, r#"{"account":"carol","amount":5}"#), // no key
     ];
     for (key, body) in &payments {
         let mut send = sqs.send_message().queue_url(&queue).message_body(*body);
@@ -160,7 +186,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             m.body().unwrap_or_default()
         );
         if let Some(receipt) = m.receipt_handle() {
-            sqs.delete_message().queue_url(&dlq).receipt_handle(receipt).send().await?;
+            sqs.delete_message()
+                .queue_url(&dlq)
+                .receipt_handle(receipt)
+                .send()
+                .await?;
         }
     }
     let left = sqs

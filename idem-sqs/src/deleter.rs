@@ -1,14 +1,15 @@
 //! Batched deletes: every message acknowledged (or dead-lettered) is deleted with
-//! `DeleteMessageBatch`, up to 10 per call and up to `max_delete_calls` calls at once. A delete
-//! waits for nothing when a call is free, and shares the next call with the others that came in
-//! meanwhile when none is: batches grow with the load, never with a timer.
+//! `DeleteMessageBatch`, up to 10 per call and up to `max_delete_calls` calls at once. When no
+//! call is in flight a delete goes out at once; otherwise it waits for the next call, with the
+//! others that came in meanwhile, and only a full batch of 10 opens another call: batches grow
+//! with the load, never with a timer, and a loaded server gets full batches.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::DeleteMessageBatchRequestEntry;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
 use crate::options::MAX_BATCH;
 use crate::stats::{RunnerStats, metric_names as m};
@@ -64,27 +65,50 @@ async fn run(
     mut rx: mpsc::UnboundedReceiver<Request>,
 ) {
     let calls = Arc::new(Semaphore::new(max_calls));
+    // Signalled when a call ends (a signal sent while nobody waits is kept for the next wait).
+    let call_ended = Arc::new(Notify::new());
     let queue_url: Arc<str> = queue_url.into();
-    loop {
+    let idle = |calls: &Semaphore| calls.available_permits() == max_calls;
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        let mut open = true;
+        loop {
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(request) => batch.push(request),
+                    Err(_) => break,
+                }
+            }
+            // A full batch takes a call of its own; a partial one goes when no call is in flight
+            // (at once when idle), so that the deletes arriving meanwhile join it.
+            if batch.len() == MAX_BATCH || idle(&calls) || !open {
+                break;
+            }
+            tokio::select! {
+                request = rx.recv() => match request {
+                    Some(request) => batch.push(request),
+                    None => open = false,
+                },
+                () = call_ended.notified() => {}
+            }
+        }
         let Ok(permit) = Arc::clone(&calls).acquire_owned().await else {
             break;
         };
-        let Some(first) = rx.recv().await else {
-            break;
-        };
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(request) => batch.push(request),
-                Err(_) => break,
-            }
-        }
-        let (client, queue_url, stats) =
-            (client.clone(), Arc::clone(&queue_url), Arc::clone(&stats));
+        let (client, queue_url, stats, call_ended) = (
+            client.clone(),
+            Arc::clone(&queue_url),
+            Arc::clone(&stats),
+            Arc::clone(&call_ended),
+        );
         tokio::spawn(async move {
             send(&client, &queue_url, &stats, batch).await;
             drop(permit);
+            call_ended.notify_one();
         });
+        if !open {
+            break;
+        }
     }
     // Every handle is gone: wait for the calls in flight.
     let _ = calls.acquire_many(max_calls as u32).await;

@@ -265,6 +265,9 @@ async fn is_fifo(client: &Client, url: &str) -> Result<bool, RunnerError> {
         .is_some_and(|v| v == "true"))
 }
 
+/// A received message and its place among the messages in process.
+type Item = (SqsMessage, Option<OwnedSemaphorePermit>);
+
 /// The receive loop's state.
 struct Receiver<H, C, R> {
     common: Arc<Common<H, C, R>>,
@@ -400,7 +403,7 @@ where
             return;
         }
         // FIFO: the batch's messages by group, each group in the order received.
-        let mut groups: Vec<(String, Vec<(SqsMessage, Option<OwnedSemaphorePermit>)>)> = Vec::new();
+        let mut groups: Vec<(String, Vec<Item>)> = Vec::new();
         for msg in messages {
             let group = msg.message_group_id().unwrap_or_default().to_owned();
             let item = (msg, permits.next());
@@ -472,7 +475,7 @@ where
     /// while one of them is in flight. (Making them visible at once would do on SQS, whose group
     /// stays blocked while the retried message is invisible; LocalStack's does not.) At
     /// shutdown, the messages not started are made visible again at once.
-    async fn process_group<T>(&self, items: Vec<(SqsMessage, Option<OwnedSemaphorePermit>)>)
+    async fn process_group<T>(&self, items: Vec<Item>)
     where
         H: Handler<SqsMessage, R::Returns<T>>,
         R::Returns<T>: Send,

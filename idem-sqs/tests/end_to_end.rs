@@ -503,13 +503,9 @@ async fn end_to_end(fifo: bool) {
             other => panic!("unexpected dead-letter reason {other}: {m:?}"),
         }
         if fifo {
-            assert_eq!(
-                m.group.as_deref(),
-                Some(&*format!(
-                    "g{}",
-                    &key[6..].parse::<usize>().unwrap() % GROUPS
-                ))
-            );
+            let n: usize = key.trim_start_matches("order-").parse().unwrap();
+            let group = format!("g{}", n % GROUPS);
+            assert_eq!(m.group.as_deref(), Some(group.as_str()), "the group kept");
         }
     }
     assert_eq!(
