@@ -2,7 +2,6 @@
 
 mod dead_letter;
 mod error;
-mod execute;
 mod message;
 mod options;
 mod publish;

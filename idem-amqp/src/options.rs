@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use idem_executor::broker::{self, LostTimeouts};
+
 use crate::error::RunnerError;
 
 /// Options of an [`AmqpRunner`](crate::AmqpRunner). Every field has a default; set them with the
@@ -127,14 +129,20 @@ impl RunnerOptions {
 
     /// The delay of a retry, from the outcome's hint.
     pub(crate) fn retry_delay(&self, hint: Duration) -> Duration {
-        hint.clamp(self.min_retry_delay, self.max_retry_delay)
+        broker::retry_delay(hint, self.min_retry_delay, self.max_retry_delay)
+    }
+
+    /// The timeouts of a lost delivery.
+    pub(crate) fn lost_timeouts(&self) -> LostTimeouts {
+        LostTimeouts {
+            orphan: self.orphan_timeout,
+            release: self.release_timeout,
+        }
     }
 
     /// The reconnection delay after `failures` failed attempts in a row.
     pub(crate) fn reconnect_delay(&self, failures: u32) -> Duration {
-        self.min_reconnect_delay
-            .saturating_mul(2u32.saturating_pow(failures.min(16)))
-            .min(self.max_reconnect_delay)
+        broker::reconnect_delay(failures, self.min_reconnect_delay, self.max_reconnect_delay)
     }
 
     pub(crate) fn validate(&self) -> Result<(), RunnerError> {
@@ -144,49 +152,20 @@ impl RunnerOptions {
                 "must be at least 1 (0 means unlimited to the broker)",
             ));
         }
-        if self.min_retry_delay.is_zero() || self.min_retry_delay > self.max_retry_delay {
-            return Err(RunnerError::config(
-                "retry_delay",
-                format!(
-                    "min {:?} must be above zero and at most max {:?}",
-                    self.min_retry_delay, self.max_retry_delay
-                ),
-            ));
-        }
+        broker::check_delays("retry_delay", self.min_retry_delay, self.max_retry_delay)?;
         if self.max_retry_delay.as_millis() > u128::from(u32::MAX) {
             return Err(RunnerError::config(
                 "retry_delay",
                 "max must fit a message expiration (at most 2^32 - 1 ms)",
             ));
         }
-        if self.min_reconnect_delay.is_zero() || self.min_reconnect_delay > self.max_reconnect_delay
-        {
-            return Err(RunnerError::config(
-                "reconnect_delay",
-                format!(
-                    "min {:?} must be above zero and at most max {:?}",
-                    self.min_reconnect_delay, self.max_reconnect_delay
-                ),
-            ));
-        }
-        for (field, d) in [
-            ("publish_timeout", self.publish_timeout),
-            ("orphan_timeout", self.orphan_timeout),
-            ("release_timeout", self.release_timeout),
-        ] {
-            if d.is_zero() {
-                return Err(RunnerError::config(field, "must be above zero"));
-            }
-        }
-        if self.release_timeout >= self.orphan_timeout {
-            return Err(RunnerError::config(
-                "release_timeout",
-                format!(
-                    "{:?} must be below orphan_timeout {:?}: a release runs within it",
-                    self.release_timeout, self.orphan_timeout
-                ),
-            ));
-        }
+        broker::check_delays(
+            "reconnect_delay",
+            self.min_reconnect_delay,
+            self.max_reconnect_delay,
+        )?;
+        broker::check_nonzero([("publish_timeout", &self.publish_timeout)])?;
+        self.lost_timeouts().validate()?;
         if self.consumer_tag.len() > 255 {
             return Err(RunnerError::config(
                 "consumer_tag",

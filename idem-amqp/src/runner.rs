@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use idem_executor::broker::{self, DeadLetterInfo, DrainTimeouts, Execution, Step, outcome_name};
 use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
@@ -18,9 +19,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::dead_letter::{self, DeadLetterInfo};
+use crate::dead_letter;
 use crate::error::RunnerError;
-use crate::execute::{Execution, LostTimeouts, Step, outcome_name};
 use crate::message::AmqpMessage;
 use crate::options::RunnerOptions;
 use crate::publish::{Publisher, republished};
@@ -310,45 +310,27 @@ where
         }) {
             tracing::warn!(error = %e, "basic.cancel failed; closing the channel gives the deliveries back");
         }
-        let mut consuming = true;
-        let deadline = tokio::time::sleep(options.drain_timeout);
-        tokio::pin!(deadline);
-        let mut timed_out = false;
-        loop {
-            tokio::select! {
-                biased;
-                joined = tasks.join_next() => match joined {
-                    Some(joined) => report(joined),
-                    None => break,
-                },
-                next = session.consumer.next(), if consuming => match next {
-                    Some(Ok(delivery)) => {
-                        // Arrived after the cancel: give it back at once.
-                        let nack = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() });
-                        if !matches!(nack.await, Ok(true)) {
-                            RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
-                        }
-                    }
-                    _ => consuming = false,
-                },
-                () = &mut deadline => {
-                    if timed_out {
-                        tracing::error!(left = tasks.len(), "delivery tasks did not end within the orphan timeout: aborted");
-                        tasks.abort_all();
-                        // Far enough for the aborted tasks to be joined.
-                        deadline.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(3600));
-                    } else {
-                        tracing::warn!(
-                            left = tasks.len(),
-                            "drain timeout: the deliveries still in process are treated as lost (handlers not started release their leases; running ones are signalled, then dropped with their leases left to expire)"
-                        );
-                        timed_out = true;
-                        session.lost.cancel();
-                        // Each task drops itself within the orphan timeout.
-                        deadline.as_mut().reset(tokio::time::Instant::now() + options.orphan_timeout);
-                    }
+        let stats = &self.common.stats;
+        let consumer = &mut session.consumer;
+        // What arrives after the cancel is given back at once.
+        let give_back = async move {
+            while let Some(Ok(delivery)) = consumer.next().await {
+                let nack = delivery.acker.nack(BasicNackOptions {
+                    requeue: true,
+                    ..BasicNackOptions::default()
+                });
+                if !matches!(nack.await, Ok(true)) {
+                    RunnerStats::count(&stats.ack_failures, m::ACK_FAILURES);
                 }
             }
+        };
+        let timeouts = DrainTimeouts {
+            drain: options.drain_timeout,
+            orphan: options.orphan_timeout,
+        };
+        let drained = broker::drain(&mut tasks, &session.lost, timeouts, report, give_back).await;
+        if drained.aborted > 0 {
+            RunnerStats::add(&stats.abandoned, m::ABANDONED, drained.aborted);
         }
         session.publisher.close().await;
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, session.channel.close(200, "shutdown".into()))
@@ -488,16 +470,17 @@ where
     {
         let common = self.common;
         let options = &common.options;
-        let timeouts = LostTimeouts {
-            orphan: options.orphan_timeout,
-            release: options.release_timeout,
-        };
         let step = common
             .execution
-            .try_once(msg, self.lost, timeouts, &common.stats)
+            .try_once(msg, self.lost, options.lost_timeouts())
             .await;
         let (result, attempt) = match step {
-            Step::Abandoned => return self.abandoned("lost before its outcome"),
+            Step::Abandoned { lease_released } => {
+                if lease_released {
+                    RunnerStats::count(&common.stats.released, m::RELEASED);
+                }
+                return self.abandoned("lost before its outcome");
+            }
             Step::Done { result, attempt } => (result, attempt),
         };
         let outcome = outcome_name(&result);
@@ -518,7 +501,7 @@ where
                 tracing::debug!(outcome, "acknowledged");
             }
             BrokerAction::DeadLetter { reason, error } => {
-                let info = dead_letter::classify(&result, reason, error, attempt);
+                let info = broker::classify(&result, reason, error, attempt);
                 drop(result);
                 // The outcome is final: only the publication is tried again, never the
                 // executor call (which, for an un-deduplicated message, would run the handler
@@ -603,10 +586,10 @@ where
     async fn dead_letter_until_published(&self, msg: &AmqpMessage, info: &DeadLetterInfo) {
         let common = self.common;
         let key_id = common.execution.key_id(msg);
-        let attempts = match info.attempts {
-            Some(n) => Some(n),
-            None => common.execution.stored_attempts(key_id.as_deref()).await,
-        };
+        let attempts = common
+            .execution
+            .dead_letter_attempts(info, key_id.as_deref())
+            .await;
         let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
         let properties = republished(msg, Some(headers), None, true);
         let topology = &common.topology;

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod broker;
 mod codec;
 mod config;
 mod context;

@@ -2,20 +2,11 @@
 
 use async_nats::HeaderMap;
 pub use idem_executor::DeadLetterReason;
-use idem_executor::{ExecutorError, Outcome};
+use idem_executor::broker::{DeadLetterInfo, attempts_value};
 
 use crate::message::NatsMessage;
 
-/// Header naming why the message was dead-lettered: a [`DeadLetterReason`] code.
-pub const HEADER_REASON: &str = "idem-dlq-reason";
-/// Header with the error text: the last recorded error, or what was wrong with the message
-/// ([escaped](crate#dead-letters): NATS header values cannot hold line breaks).
-pub const HEADER_ERROR: &str = "idem-dlq-error";
-/// Header with the number of attempts the store counted for the key (decimal; `0` when the
-/// handler never ran for this payload; `unknown` when the store could not be read).
-pub const HEADER_ATTEMPTS: &str = "idem-dlq-attempts";
-/// Header with the idempotency key id, when the message had a readable one (escaped).
-pub const HEADER_KEY: &str = "idem-dlq-key";
+pub use idem_executor::broker::{HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_REASON};
 /// Header with the stream the message was read from.
 pub const HEADER_SOURCE_STREAM: &str = "idem-dlq-source-stream";
 /// Header with the subject the message was published on.
@@ -27,50 +18,6 @@ pub const HEADER_DELIVERED: &str = "idem-dlq-delivered";
 /// Header keeping the original `Nats-Msg-Id`, when the message had one: the dead letter carries
 /// its own (`<stream>:<sequence>`), so a dead letter published twice is stored once.
 pub const HEADER_SOURCE_MSG_ID: &str = "idem-dlq-source-msg-id";
-
-/// What the runner writes beside the original message.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct DeadLetterInfo {
-    pub(crate) reason: DeadLetterReason,
-    pub(crate) error: String,
-    /// `None` when the count must be read from the store.
-    pub(crate) attempts: Option<u32>,
-}
-
-/// What to write for a result whose broker action is
-/// [`BrokerAction::DeadLetter`](idem_executor::BrokerAction::DeadLetter): the action's `reason`
-/// and `error`, and the attempt count. `attempt` is the attempt of the handler run in this call
-/// (0 when the handler did not run).
-pub(crate) fn classify<T>(
-    result: &Result<Outcome<T>, ExecutorError>,
-    reason: DeadLetterReason,
-    error: String,
-    attempt: u32,
-) -> DeadLetterInfo {
-    let ran = (attempt > 0).then_some(attempt);
-    let attempts = match result {
-        // The handler never ran for this payload.
-        Ok(Outcome::Conflict)
-        | Err(
-            ExecutorError::MissingKey
-            | ExecutorError::InvalidKey(_)
-            | ExecutorError::InvalidMessage { .. },
-        ) => Some(0),
-        Ok(Outcome::Exhausted { attempts, .. }) => Some(*attempts),
-        Ok(Outcome::NotCommitted { attempt, .. }) => Some(*attempt),
-        // Un-deduplicated: the one run of this call, counted nowhere else.
-        Ok(Outcome::NotDeduplicated { .. }) => Some(1),
-        // A replayed result that does not decode: the count is the store's.
-        Err(ExecutorError::Decode { .. }) => None,
-        // `Failed`, `ResultNotStored`: this call's run, or (replayed) the store's count.
-        _ => ran,
-    };
-    DeadLetterInfo {
-        reason,
-        error,
-        attempts,
-    }
-}
 
 /// A text as a NATS header value: `\` as `\\`, CR as `\r`, LF as `\n` (a header value cannot
 /// hold a line break). Reversed by [`unescape`].
@@ -126,7 +73,7 @@ pub(crate) fn headers(
             }
         }
     }
-    let attempts = attempts.map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+    let attempts = attempts_value(attempts);
     let ours: [(&str, Option<String>); 9] = [
         (HEADER_REASON, Some(info.reason.as_str().to_owned())),
         (HEADER_ERROR, Some(escape(&info.error))),
@@ -155,8 +102,6 @@ pub(crate) fn headers(
 
 #[cfg(test)]
 mod tests {
-    use idem_executor::BrokerAction;
-
     use super::*;
 
     #[test]
@@ -167,29 +112,6 @@ mod tests {
             assert_eq!(unescape(&escaped), text);
         }
         assert_eq!(escape("a\nb"), "a\\nb");
-    }
-
-    #[test]
-    fn classification() {
-        let info = |r: &Result<Outcome<()>, ExecutorError>, attempt| {
-            let BrokerAction::DeadLetter { reason, error } = BrokerAction::of(r) else {
-                panic!()
-            };
-            classify(r, reason, error, attempt)
-        };
-        assert_eq!(info(&Ok(Outcome::Conflict), 0).attempts, Some(0));
-        let exhausted = Ok(Outcome::Exhausted {
-            attempts: 3,
-            last_error: Some("boom".into()),
-        });
-        assert_eq!(
-            info(&exhausted, 3),
-            DeadLetterInfo {
-                reason: DeadLetterReason::Exhausted,
-                error: "boom".into(),
-                attempts: Some(3)
-            }
-        );
     }
 
     #[test]

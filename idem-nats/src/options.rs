@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use idem_executor::broker::{self, LostTimeouts};
+
 use crate::error::RunnerError;
 
 /// Where dead letters are published. A JetStream stream must capture that subject (the runner
@@ -206,14 +208,20 @@ impl RunnerOptions {
 
     /// The nak delay, from the outcome's hint.
     pub(crate) fn retry_delay(&self, hint: Duration) -> Duration {
-        hint.clamp(self.min_retry_delay, self.max_retry_delay)
+        broker::retry_delay(hint, self.min_retry_delay, self.max_retry_delay)
+    }
+
+    /// The timeouts of a message lost at the drain timeout.
+    pub(crate) fn lost_timeouts(&self) -> LostTimeouts {
+        LostTimeouts {
+            orphan: self.orphan_timeout,
+            release: self.release_timeout,
+        }
     }
 
     /// The delay before pulling again after `failures` failures in a row.
     pub(crate) fn reconnect_delay(&self, failures: u32) -> Duration {
-        self.min_reconnect_delay
-            .saturating_mul(2u32.saturating_pow(failures.min(16)))
-            .min(self.max_reconnect_delay)
+        broker::reconnect_delay(failures, self.min_reconnect_delay, self.max_reconnect_delay)
     }
 
     /// Checks the options against the executor's heartbeat interval and maximum attempts.
@@ -225,44 +233,17 @@ impl RunnerOptions {
         if self.max_in_flight == 0 {
             return Err(RunnerError::config("max_in_flight", "must be at least 1"));
         }
-        if self.min_retry_delay.is_zero() || self.min_retry_delay > self.max_retry_delay {
-            return Err(RunnerError::config(
-                "retry_delay",
-                format!(
-                    "min {:?} must be above zero and at most max {:?}",
-                    self.min_retry_delay, self.max_retry_delay
-                ),
-            ));
-        }
-        if self.min_reconnect_delay.is_zero() || self.min_reconnect_delay > self.max_reconnect_delay
-        {
-            return Err(RunnerError::config(
-                "reconnect_delay",
-                format!(
-                    "min {:?} must be above zero and at most max {:?}",
-                    self.min_reconnect_delay, self.max_reconnect_delay
-                ),
-            ));
-        }
-        for (field, d) in [
-            ("pull_expiry", self.pull_expiry),
-            ("publish_timeout", self.publish_timeout),
-            ("orphan_timeout", self.orphan_timeout),
-            ("release_timeout", self.release_timeout),
-        ] {
-            if d.is_zero() {
-                return Err(RunnerError::config(field, "must be above zero"));
-            }
-        }
-        if self.release_timeout >= self.orphan_timeout {
-            return Err(RunnerError::config(
-                "release_timeout",
-                format!(
-                    "{:?} must be below orphan_timeout {:?}: a release runs within it",
-                    self.release_timeout, self.orphan_timeout
-                ),
-            ));
-        }
+        broker::check_delays("retry_delay", self.min_retry_delay, self.max_retry_delay)?;
+        broker::check_delays(
+            "reconnect_delay",
+            self.min_reconnect_delay,
+            self.max_reconnect_delay,
+        )?;
+        broker::check_nonzero([
+            ("pull_expiry", &self.pull_expiry),
+            ("publish_timeout", &self.publish_timeout),
+        ])?;
+        self.lost_timeouts().validate()?;
         match &self.dead_letter_subject {
             DeadLetterSubject::Prefix(s) | DeadLetterSubject::Fixed(s) if s.is_empty() => {
                 return Err(RunnerError::config(

@@ -9,6 +9,7 @@ use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::message::{AckKind, Acker};
 use futures::StreamExt;
+use idem_executor::broker::{self, DeadLetterInfo, DrainTimeouts, Execution, Step, outcome_name};
 use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -17,9 +18,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::dead_letter::{self, DeadLetterInfo, DeadLetterReason};
+use crate::dead_letter::{self, DeadLetterReason};
 use crate::error::RunnerError;
-use crate::execute::{Execution, LostTimeouts, Step, outcome_name};
 use crate::message::NatsMessage;
 use crate::options::{RunnerOptions, check_consumer};
 use crate::stats::{RunnerStats, metric_names as m};
@@ -306,32 +306,14 @@ where
 
     async fn drain(&self, mut tasks: JoinSet<()>, lost: &CancellationToken) {
         let options = &self.common.options;
-        let deadline = tokio::time::sleep(options.drain_timeout);
-        tokio::pin!(deadline);
-        let mut timed_out = false;
-        loop {
-            tokio::select! {
-                biased;
-                joined = tasks.join_next() => match joined {
-                    Some(joined) => report(joined),
-                    None => break,
-                },
-                () = &mut deadline => {
-                    if timed_out {
-                        tracing::error!(left = tasks.len(), "message tasks did not end within the orphan timeout: aborted");
-                        tasks.abort_all();
-                        deadline.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(3600));
-                    } else {
-                        tracing::warn!(
-                            left = tasks.len(),
-                            "drain timeout: handlers not started release their leases (their messages are nak'ed); running ones are signalled, then dropped with their leases left to expire"
-                        );
-                        timed_out = true;
-                        lost.cancel();
-                        deadline.as_mut().reset(tokio::time::Instant::now() + options.orphan_timeout);
-                    }
-                }
-            }
+        let timeouts = DrainTimeouts {
+            drain: options.drain_timeout,
+            orphan: options.orphan_timeout,
+        };
+        let drained = broker::drain(&mut tasks, lost, timeouts, report, async {}).await;
+        if drained.aborted > 0 {
+            // Their messages come back after their ack deadline.
+            RunnerStats::add(&self.common.stats.abandoned, m::ABANDONED, drained.aborted);
         }
     }
 }
@@ -474,16 +456,13 @@ where
     {
         let common = self.common;
         let options = &common.options;
-        let timeouts = LostTimeouts {
-            orphan: options.orphan_timeout,
-            release: options.release_timeout,
-        };
-        let step = common
-            .execution
-            .try_once(msg, self.lost, timeouts, &common.stats)
-            .await;
+        let timeouts = options.lost_timeouts();
+        let step = common.execution.try_once(msg, self.lost, timeouts).await;
         let (result, attempt) = match step {
-            Step::Abandoned => {
+            Step::Abandoned { lease_released } => {
+                if lease_released {
+                    RunnerStats::count(&common.stats.released, m::RELEASED);
+                }
                 RunnerStats::count(&common.stats.abandoned, m::ABANDONED);
                 // Redelivered at once elsewhere (a lease left to expire makes it wait there).
                 self.send(AckKind::Nak(None), false).await;
@@ -508,7 +487,7 @@ where
                 tracing::debug!(outcome, "acknowledged");
             }
             BrokerAction::DeadLetter { reason, error } => {
-                let info = dead_letter::classify(&result, reason, error, attempt);
+                let info = broker::classify(&result, reason, error, attempt);
                 drop(result);
                 self.dead_letter_until_published(msg, &info).await;
             }
@@ -556,10 +535,10 @@ where
     async fn dead_letter_until_published(&self, msg: &NatsMessage, info: &DeadLetterInfo) {
         let common = self.common;
         let key_id = common.execution.key_id(msg);
-        let attempts = match info.attempts {
-            Some(n) => Some(n),
-            None => common.execution.stored_attempts(key_id.as_deref()).await,
-        };
+        let attempts = common
+            .execution
+            .dead_letter_attempts(info, key_id.as_deref())
+            .await;
         let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
         let subject = common
             .options

@@ -55,6 +55,13 @@ impl RunnerStats {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Adds `n` to `counter` and to the `metrics` counter `name`.
+    pub(crate) fn add(counter: &AtomicU64, name: &'static str, n: usize) {
+        let n = n as u64;
+        counter.fetch_add(n, Ordering::Relaxed);
+        metrics::counter!(name).increment(n);
+    }
+
     /// Bumps `counter` and the `metrics` counter `name`.
     pub(crate) fn count(counter: &AtomicU64, name: &'static str) {
         Self::bump(counter);

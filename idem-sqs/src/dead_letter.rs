@@ -6,23 +6,23 @@ use std::collections::HashMap;
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::MessageAttributeValue;
 pub use idem_executor::DeadLetterReason;
-use idem_executor::{ExecutorError, Outcome};
+use idem_executor::broker::{self, DeadLetterInfo, attempts_value};
 
 use crate::message::SqsMessage;
 
 /// Attribute naming why the message was dead-lettered: a [`DeadLetterReason`] code.
-pub const ATTR_REASON: &str = "idem-dlq-reason";
+pub const ATTR_REASON: &str = broker::HEADER_REASON;
 /// Attribute with the error text: the last recorded error, or what was wrong with the message
 /// (characters SQS does not allow in attribute values written as `\u{..}`, cut to
 /// [`MAX_ERROR_LEN`] bytes with `…`; absent when the text is empty).
-pub const ATTR_ERROR: &str = "idem-dlq-error";
+pub const ATTR_ERROR: &str = broker::HEADER_ERROR;
 /// Attribute with the number of attempts the store counted for the key (decimal; `0` when the
 /// handler never ran for this payload, as for a conflict or an unreadable message; `unknown`
 /// when the store could not be read).
-pub const ATTR_ATTEMPTS: &str = "idem-dlq-attempts";
+pub const ATTR_ATTEMPTS: &str = broker::HEADER_ATTEMPTS;
 /// Attribute with the idempotency key id, when the message had a readable one (written as
 /// [`ATTR_ERROR`] is).
-pub const ATTR_KEY: &str = "idem-dlq-key";
+pub const ATTR_KEY: &str = broker::HEADER_KEY;
 /// Attribute with the SQS message id of the original message.
 pub const ATTR_SOURCE_MESSAGE_ID: &str = "idem-dlq-source-message-id";
 /// Attribute listing (comma-separated) the original message attributes that did not fit:
@@ -32,50 +32,6 @@ pub const ATTR_DROPPED: &str = "idem-dlq-dropped-attributes";
 pub const MAX_ATTRIBUTES: usize = 10;
 /// The longest error text written to [`ATTR_ERROR`], in bytes (the store keeps the whole text).
 pub const MAX_ERROR_LEN: usize = 4096;
-
-/// What the runner writes beside the original message.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct DeadLetterInfo {
-    pub(crate) reason: DeadLetterReason,
-    pub(crate) error: String,
-    /// `None` when the count must be read from the store.
-    pub(crate) attempts: Option<u32>,
-}
-
-/// What to write for a result whose broker action is
-/// [`BrokerAction::DeadLetter`](idem_executor::BrokerAction::DeadLetter): the action's `reason`
-/// and `error`, and the attempt count. `attempt` is the attempt of the handler run in this call
-/// (0 when the handler did not run).
-pub(crate) fn classify<T>(
-    result: &Result<Outcome<T>, ExecutorError>,
-    reason: DeadLetterReason,
-    error: String,
-    attempt: u32,
-) -> DeadLetterInfo {
-    let ran = (attempt > 0).then_some(attempt);
-    let attempts = match result {
-        // The handler never ran for this payload.
-        Ok(Outcome::Conflict)
-        | Err(
-            ExecutorError::MissingKey
-            | ExecutorError::InvalidKey(_)
-            | ExecutorError::InvalidMessage { .. },
-        ) => Some(0),
-        Ok(Outcome::Exhausted { attempts, .. }) => Some(*attempts),
-        Ok(Outcome::NotCommitted { attempt, .. }) => Some(*attempt),
-        // Un-deduplicated: the one run of this call, counted nowhere else.
-        Ok(Outcome::NotDeduplicated { .. }) => Some(1),
-        // A replayed result that does not decode: the count is the store's.
-        Err(ExecutorError::Decode { .. }) => None,
-        // `Failed`, `ResultNotStored`: this call's run, or (replayed) the store's count.
-        _ => ran,
-    };
-    DeadLetterInfo {
-        reason,
-        error,
-        attempts,
-    }
-}
 
 /// `text` as SQS takes it in an attribute value: the characters it refuses (controls other than
 /// tab, line feed and carriage return; U+FFFE, U+FFFF) written as `\u{..}`.
@@ -119,7 +75,7 @@ pub(crate) fn attributes(
     if !error.is_empty() {
         out.insert(ATTR_ERROR.to_owned(), string(&error));
     }
-    let attempts = attempts.map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+    let attempts = attempts_value(attempts);
     out.insert(ATTR_ATTEMPTS.to_owned(), string(&attempts));
     if let Some(key) = key_id.filter(|k| !k.is_empty()) {
         out.insert(ATTR_KEY.to_owned(), string(&attribute_text(key)));
@@ -188,54 +144,11 @@ impl DeadLetterQueue {
 
 #[cfg(test)]
 mod tests {
-    use aws_sdk_sqs::types::Message as Received;
-    use idem_executor::BrokerAction;
-
     use super::*;
-
-    fn info(result: &Result<Outcome<()>, ExecutorError>, attempt: u32) -> DeadLetterInfo {
-        let BrokerAction::DeadLetter { reason, error } = BrokerAction::of(result) else {
-            panic!("not dead-lettered: {result:?}");
-        };
-        classify(result, reason, error, attempt)
-    }
+    use aws_sdk_sqs::types::Message as Received;
 
     fn text(attrs: &HashMap<String, MessageAttributeValue>, name: &str) -> Option<String> {
         attrs.get(name)?.string_value().map(str::to_owned)
-    }
-
-    #[test]
-    fn classification() {
-        let conflict = info(&Ok(Outcome::Conflict), 0);
-        assert_eq!(
-            (conflict.reason, conflict.attempts),
-            (DeadLetterReason::Conflict, Some(0))
-        );
-        let exhausted = info(
-            &Ok(Outcome::Exhausted {
-                attempts: 3,
-                last_error: Some("boom".into()),
-            }),
-            0,
-        );
-        assert_eq!(
-            exhausted,
-            DeadLetterInfo {
-                reason: DeadLetterReason::Exhausted,
-                error: "boom".into(),
-                attempts: Some(3)
-            }
-        );
-        let failed = Ok(Outcome::Failed {
-            error: "bad amount".into(),
-        });
-        assert_eq!(info(&failed, 2).attempts, Some(2));
-        assert_eq!(info(&failed, 0).attempts, None, "replayed: ask the store");
-        let missing = info(&Err(ExecutorError::MissingKey), 0);
-        assert_eq!(
-            (missing.reason, missing.attempts),
-            (DeadLetterReason::MissingKey, Some(0))
-        );
     }
 
     #[test]

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use idem_executor::broker::{self, LostTimeouts};
+
 use crate::error::RunnerError;
 
 /// The longest visibility timeout SQS accepts: 12 hours.
@@ -53,10 +55,19 @@ pub struct RunnerOptions {
     /// Pause between two tries of a failed dead-letter send (default 1 s). The message's
     /// visibility is extended meanwhile; the executor is not called again.
     pub dead_letter_retry_delay: Duration,
-    /// Longest wait at shutdown for the messages in process to finish (default 30 s); the ones
-    /// still running then are dropped, and SQS delivers them again once their visibility
-    /// timeout passes.
+    /// Longest wait at shutdown for the messages in process to finish (default 30 s). Then they
+    /// are treated as lost: a handler not started yet releases its lease (no attempt counted)
+    /// and its message is made visible again at once; a running handler gets
+    /// [`orphan_timeout`](Self::orphan_timeout).
     pub drain_timeout: Duration,
+    /// How long a handler still running at the drain timeout may go on (default 10 s): it is
+    /// signalled through its context's cancellation token half-way, and dropped at the end with
+    /// its lease left to expire (never released once it started); SQS delivers its message again
+    /// once its visibility passes.
+    pub orphan_timeout: Duration,
+    /// Longest wait for the release of a lease whose handler had not started at the drain
+    /// timeout (default 5 s, below [`orphan_timeout`](Self::orphan_timeout)).
+    pub release_timeout: Duration,
     /// Batched delete calls sent at once (default 4). Acknowledged messages wait while all are
     /// in flight, and go out together in the next call (up to 10 per call).
     pub max_delete_calls: usize,
@@ -74,6 +85,8 @@ impl Default for RunnerOptions {
             max_retry_delay: Duration::from_secs(300),
             dead_letter_retry_delay: Duration::from_secs(1),
             drain_timeout: Duration::from_secs(30),
+            orphan_timeout: Duration::from_secs(10),
+            release_timeout: Duration::from_secs(5),
             max_delete_calls: 4,
         }
     }
@@ -129,6 +142,18 @@ impl RunnerOptions {
         self
     }
 
+    /// Sets [`orphan_timeout`](Self::orphan_timeout).
+    pub fn with_orphan_timeout(mut self, timeout: Duration) -> Self {
+        self.orphan_timeout = timeout;
+        self
+    }
+
+    /// Sets [`release_timeout`](Self::release_timeout).
+    pub fn with_release_timeout(mut self, timeout: Duration) -> Self {
+        self.release_timeout = timeout;
+        self
+    }
+
     /// Sets [`max_delete_calls`](Self::max_delete_calls).
     pub fn with_max_delete_calls(mut self, n: usize) -> Self {
         self.max_delete_calls = n;
@@ -138,7 +163,19 @@ impl RunnerOptions {
     /// The visibility to set after a retry with this hint: clamped to the retry delays, then
     /// rounded up to whole seconds.
     pub(crate) fn retry_visibility(&self, hint: Duration) -> i32 {
-        seconds_up(hint.clamp(self.min_retry_delay, self.max_retry_delay))
+        seconds_up(broker::retry_delay(
+            hint,
+            self.min_retry_delay,
+            self.max_retry_delay,
+        ))
+    }
+
+    /// The timeouts of a message lost at the drain timeout.
+    pub(crate) fn lost_timeouts(&self) -> LostTimeouts {
+        LostTimeouts {
+            orphan: self.orphan_timeout,
+            release: self.release_timeout,
+        }
     }
 
     /// The extension interval in force with an executor heartbeating every `heartbeat`.
@@ -212,12 +249,8 @@ impl RunnerOptions {
                 ),
             ));
         }
-        if self.dead_letter_retry_delay.is_zero() {
-            return Err(RunnerError::config(
-                "dead_letter_retry_delay",
-                "must be above zero",
-            ));
-        }
+        broker::check_nonzero([("dead_letter_retry_delay", &self.dead_letter_retry_delay)])?;
+        self.lost_timeouts().validate()?;
         Ok(())
     }
 }

@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::{MessageSystemAttributeName, QueueAttributeName};
+use idem_executor::broker::{self, DrainTimeouts, Execution};
 use idem_executor::{Codec, Executor, Handler, JsonCodec, Plain, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -43,8 +43,7 @@ pub struct SqsRunner<H, T, C = JsonCodec, R = Plain> {
     queue_url: String,
     dead_letter_queue_url: String,
     options: Arc<RunnerOptions>,
-    executor: Executor<C, R>,
-    handler: Arc<H>,
+    execution: Execution<H, C, R>,
     stats: Arc<RunnerStats>,
     _result: PhantomData<fn() -> T>,
 }
@@ -126,7 +125,7 @@ where
     /// or a third of the visibility timeout, whichever is shorter.
     pub fn visibility_extend_interval(&self) -> Duration {
         self.options
-            .extend_interval(self.executor.heartbeat_interval())
+            .extend_interval(self.execution.executor().heartbeat_interval())
     }
 
     /// Receives and processes messages until `shutdown` completes (or the queue is deleted),
@@ -157,8 +156,7 @@ where
         );
         let common = Arc::new(Common {
             extend_every: self.visibility_extend_interval(),
-            executor: self.executor,
-            handler: self.handler,
+            execution: self.execution,
             client: self.client.clone(),
             queue_url: self.queue_url.clone().into(),
             dead_letter,
@@ -166,6 +164,7 @@ where
             stats: Arc::clone(&self.stats),
             deleter,
             drain: CancellationToken::new(),
+            lost: CancellationToken::new(),
         });
         tracing::info!(queue_url = %self.queue_url, fifo, dead_letter_queue_url = %common.dead_letter.url, "sqs runner started");
         let mut receiver = Receiver {
@@ -242,8 +241,7 @@ where
             queue_url: self.queue_url,
             dead_letter_queue_url,
             options: Arc::new(self.options),
-            executor: self.executor,
-            handler: Arc::new(self.handler),
+            execution: Execution::new(self.executor, self.handler),
             stats: Arc::new(RunnerStats::default()),
             _result: PhantomData,
         })
@@ -437,27 +435,25 @@ where
         }
     }
 
-    /// Waits for the tasks in process, up to the drain timeout, then drops the rest.
+    /// Waits for the tasks in process, up to the drain timeout; then they are lost (a handler
+    /// not started releases its lease, a running one gets the orphan timeout), and what is
+    /// still there after that is dropped.
     async fn drain(&mut self) {
-        self.common.drain.cancel();
-        let deadline = Instant::now() + self.common.options.drain_timeout;
-        loop {
-            tokio::select! {
-                ended = self.tasks.join_next() => match ended {
-                    Some(ended) => log_panic(ended),
-                    None => return,
-                },
-                () = tokio::time::sleep_until(deadline) => {
-                    let left = self.common.options.max_in_flight - self.permits.available_permits();
-                    tracing::warn!(in_process = left, "drain timeout: dropping the messages still in process (SQS delivers them again once their visibility passes; their leases expire)");
-                    RunnerStats::add(&self.common.stats.abandoned, left as u64);
-                    self.tasks.abort_all();
-                    while let Some(ended) = self.tasks.join_next().await {
-                        log_panic(ended);
-                    }
-                    return;
-                }
-            }
+        let common = &self.common;
+        common.drain.cancel();
+        let timeouts = DrainTimeouts {
+            drain: common.options.drain_timeout,
+            orphan: common.options.orphan_timeout,
+        };
+        let drained =
+            broker::drain(&mut self.tasks, &common.lost, timeouts, log_panic, async {}).await;
+        if drained.aborted > 0 {
+            // Each aborted task held one message at least (a FIFO group's may hold more).
+            RunnerStats::count(
+                &common.stats.abandoned,
+                m::ABANDONED,
+                drained.aborted as u64,
+            );
         }
     }
 }

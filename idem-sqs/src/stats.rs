@@ -24,6 +24,10 @@ pub mod metric_names {
     pub const VISIBILITY_FAILURES: &str = "idem_sqs_visibility_failures";
     /// Dead-letter sends that failed (tried again).
     pub const DEAD_LETTER_FAILURES: &str = "idem_sqs_dead_letter_failures";
+    /// Leases released because the drain timed out before the message's handler started.
+    pub const RELEASED: &str = "idem_sqs_leases_released";
+    /// Messages given up at the drain timeout (made visible again, or left to their visibility).
+    pub const ABANDONED: &str = "idem_sqs_abandoned";
     /// `ReceiveMessage` calls that failed.
     pub const RECEIVE_ERRORS: &str = "idem_sqs_receive_errors";
 }
@@ -51,6 +55,7 @@ pub struct RunnerStats {
     pub(crate) dead_letter_failures: AtomicU64,
     pub(crate) receive_errors: AtomicU64,
     pub(crate) abandoned: AtomicU64,
+    pub(crate) leases_released: AtomicU64,
 }
 
 impl RunnerStats {
@@ -148,8 +153,15 @@ impl RunnerStats {
         Self::get(&self.receive_errors)
     }
 
-    /// Messages still in process when the drain timed out: dropped, SQS delivers them again.
+    /// Messages still in process when the drain timed out, given up: made visible again at once
+    /// (their handler had not started) or left to their visibility (dropped).
     pub fn abandoned(&self) -> u64 {
         Self::get(&self.abandoned)
+    }
+
+    /// Leases released because the drain timed out before the message's handler started (the
+    /// key is free at once, no attempt counted).
+    pub fn leases_released(&self) -> u64 {
+        Self::get(&self.leases_released)
     }
 }

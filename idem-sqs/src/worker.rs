@@ -3,18 +3,18 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::ChangeMessageVisibilityBatchRequestEntry;
-use idem_executor::{BrokerAction, Codec, Executor, ExecutorError, Handler, Outcome, Recorder};
+use idem_executor::broker::{self, DeadLetterInfo, Execution, Step, outcome_name};
+use idem_executor::{BrokerAction, Codec, Handler, Outcome, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::dead_letter::{self, DeadLetterInfo, DeadLetterQueue};
+use crate::dead_letter::{self, DeadLetterQueue};
 use crate::deleter::Deleter;
 use crate::message::SqsMessage;
 use crate::options::{MAX_BATCH, RunnerOptions, seconds_up};
@@ -22,8 +22,7 @@ use crate::stats::{RunnerStats, metric_names as m};
 
 /// Everything the message tasks of one run share.
 pub(crate) struct Common<H, C, R> {
-    pub(crate) executor: Executor<C, R>,
-    pub(crate) handler: Arc<H>,
+    pub(crate) execution: Execution<H, C, R>,
     pub(crate) client: Client,
     pub(crate) queue_url: Arc<str>,
     pub(crate) dead_letter: DeadLetterQueue,
@@ -34,6 +33,9 @@ pub(crate) struct Common<H, C, R> {
     pub(crate) extend_every: Duration,
     /// Cancelled at shutdown: start no other message of a FIFO group.
     pub(crate) drain: CancellationToken,
+    /// Cancelled at the drain timeout: the messages in process are lost
+    /// ([`Execution::try_once`]).
+    pub(crate) lost: CancellationToken,
 }
 
 /// How a message ended.
@@ -109,7 +111,29 @@ where
         R::Returns<T>: Send,
         T: Serialize + DeserializeOwned + Send + 'static,
     {
-        let (result, attempt) = self.execute::<T>(msg).await;
+        let step = self
+            .execution
+            .try_once::<_, T>(msg, &self.lost, self.options.lost_timeouts())
+            .await;
+        let (result, attempt) = match step {
+            Step::Done { result, attempt } => (result, attempt),
+            Step::Abandoned { lease_released } => {
+                if lease_released {
+                    RunnerStats::count(&self.stats.leases_released, m::RELEASED, 1);
+                }
+                RunnerStats::count(&self.stats.abandoned, m::ABANDONED, 1);
+                // Nothing recorded for this call: the message may come back at once.
+                release(
+                    &self.client,
+                    &self.queue_url,
+                    &self.stats,
+                    std::slice::from_ref(msg),
+                    0,
+                )
+                .await;
+                return Done::Retried { visibility: 0 };
+            }
+        };
         match BrokerAction::of(&result) {
             BrokerAction::Ack => {
                 let stats = &self.stats;
@@ -124,7 +148,7 @@ where
                 Done::Resolved
             }
             BrokerAction::DeadLetter { reason, error } => {
-                let info = dead_letter::classify(&result, reason, error, attempt);
+                let info = broker::classify(&result, reason, error, attempt);
                 drop(result);
                 self.dead_letter_until_sent(msg, &info).await;
                 self.delete(msg).await;
@@ -140,28 +164,6 @@ where
                 visibility: self.retry(msg, self.options.min_retry_delay).await,
             },
         }
-    }
-
-    /// One executor call; returns its result and the attempt of the handler run in it (0 when
-    /// the handler did not run).
-    async fn execute<T>(&self, msg: &SqsMessage) -> (Result<Outcome<T>, ExecutorError>, u32)
-    where
-        H: Handler<SqsMessage, R::Returns<T>>,
-        R::Returns<T>: Send,
-        T: Serialize + DeserializeOwned + Send + 'static,
-    {
-        let attempt = Arc::new(AtomicU32::new(0));
-        let ran = Arc::clone(&attempt);
-        let handler = Arc::clone(&self.handler);
-        let record = msg.clone();
-        let result = self
-            .executor
-            .run(msg, move |ctx| {
-                ran.store(ctx.attempt(), Ordering::Relaxed);
-                handler.call(record, ctx)
-            })
-            .await;
-        (result, attempt.load(Ordering::Relaxed))
     }
 
     async fn delete(&self, msg: &SqsMessage) {
@@ -195,17 +197,11 @@ where
     /// would run the handler again). A shutdown that times out drops it unsent: the message is
     /// then received again, and the store gives the same outcome.
     async fn dead_letter_until_sent(&self, msg: &SqsMessage, info: &DeadLetterInfo) {
-        let key_id = self
-            .executor
-            .config()
-            .key_source
-            .extract(msg)
-            .ok()
-            .flatten();
-        let attempts = match info.attempts {
-            Some(n) => Some(n),
-            None => self.stored_attempts(key_id.as_deref()).await,
-        };
+        let key_id = self.execution.key_id(msg);
+        let attempts = self
+            .execution
+            .dead_letter_attempts(info, key_id.as_deref())
+            .await;
         let attributes = dead_letter::attributes(msg, info, attempts, key_id.as_deref());
         loop {
             match self
@@ -237,15 +233,6 @@ where
                     tokio::time::sleep(self.options.dead_letter_retry_delay).await;
                 }
             }
-        }
-    }
-
-    /// The attempt count the store holds for the key (best effort, for the attribute).
-    async fn stored_attempts(&self, key_id: Option<&str>) -> Option<u32> {
-        let key = self.executor.namespace().key(key_id?).ok()?;
-        match self.executor.store().get(&key).await {
-            Ok(Some(record)) => Some(record.attempts),
-            _ => None,
         }
     }
 }
@@ -303,13 +290,5 @@ pub(crate) async fn release(
                 tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "could not make messages visible again: they come back when their visibility passes");
             }
         }
-    }
-}
-
-fn outcome_name<T>(result: &Result<Outcome<T>, ExecutorError>) -> &'static str {
-    match result {
-        Ok(outcome) => outcome.name(),
-        Err(ExecutorError::Store { .. }) => "store_error",
-        Err(_) => "error",
     }
 }

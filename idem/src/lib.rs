@@ -27,6 +27,21 @@ pub use idem_postgres as postgres;
 #[cfg(feature = "kafka")]
 pub use idem_kafka as kafka;
 
+/// The Amazon SQS consumer runner: long-polled batches, batched deletes, visibility kept in step
+/// with the lease, a dead-letter queue with reason attributes, FIFO group order.
+#[cfg(feature = "sqs")]
+pub use idem_sqs as sqs;
+
+/// The RabbitMQ consumer runner: manual acks under a prefetch bound, delayed retries through a
+/// TTL queue, a dead-letter exchange with reason headers, reconnects that release in-flight leases.
+#[cfg(feature = "amqp")]
+pub use idem_amqp as amqp;
+
+/// The NATS JetStream consumer runner: double acks, delayed naks, progress acks in step with the
+/// lease heartbeat, a dead-letter subject with reason headers.
+#[cfg(feature = "nats")]
+pub use idem_nats as nats;
+
 /// The SQLite store: durable records in one file, for a single consumer host; built on the
 /// custom-store kit.
 #[cfg(feature = "sqlite")]

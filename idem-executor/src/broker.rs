@@ -1,0 +1,729 @@
+//! Pieces every broker runner is built from, so that each runner (SQS, RabbitMQ, NATS, ...)
+//! writes only what is particular to its broker.
+//!
+//! - [`Execution`]: the executor and the handler of a runner, and [`Execution::try_once`], one
+//!   executor call for a delivery with the handler wrapped for a *lost* delivery (its channel
+//!   closed, its partition was revoked, or the drain timed out): a lease whose handler had not
+//!   started is released (no attempt counted), a running handler is let finish for half the
+//!   orphan timeout, then signalled, and its lease is never released.
+//! - [`drain`]: waits for the delivery tasks at shutdown, marks the rest lost at the drain
+//!   timeout and aborts what is still there one orphan timeout later.
+//! - [`classify`] and the dead-letter header names ([`HEADER_REASON`], [`HEADER_ERROR`],
+//!   [`HEADER_ATTEMPTS`], [`HEADER_KEY`]): what a dead letter says beside the original message.
+//! - [`retry_delay`], [`reconnect_delay`], [`check_delays`], [`LostTimeouts::validate`]: the
+//!   delay arithmetic and option checks every runner has.
+//!
+//! ```
+//! use std::time::Duration;
+//! use idem_executor::broker::{reconnect_delay, retry_delay};
+//!
+//! let (min, max) = (Duration::from_millis(100), Duration::from_secs(5));
+//! assert_eq!(retry_delay(Duration::ZERO, min, max), min);
+//! assert_eq!(retry_delay(Duration::from_secs(60), min, max), max);
+//! assert_eq!(reconnect_delay(2, min, max), Duration::from_millis(400));
+//! ```
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::task::{JoinError, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    Codec, DeadLetterReason, Executor, ExecutorError, Handler, Message, Outcome, Recorder,
+};
+
+/// Dead-letter header (or attribute) naming why the message was dead-lettered: a
+/// [`DeadLetterReason`] code.
+pub const HEADER_REASON: &str = "idem-dlq-reason";
+/// Dead-letter header with the error text: the last recorded error, or what was wrong with the
+/// message.
+pub const HEADER_ERROR: &str = "idem-dlq-error";
+/// Dead-letter header with the number of attempts the store counted for the key (decimal; `0`
+/// when the handler never ran for this payload, as for a conflict or an unreadable message;
+/// [`ATTEMPTS_UNKNOWN`] when the store could not be read).
+pub const HEADER_ATTEMPTS: &str = "idem-dlq-attempts";
+/// Dead-letter header with the idempotency key id, when the message had a readable one.
+pub const HEADER_KEY: &str = "idem-dlq-key";
+/// The value of [`HEADER_ATTEMPTS`] when the store could not be read.
+pub const ATTEMPTS_UNKNOWN: &str = "unknown";
+
+/// The value of [`HEADER_ATTEMPTS`]: the count in decimal, or [`ATTEMPTS_UNKNOWN`].
+pub fn attempts_value(attempts: Option<u32>) -> String {
+    attempts.map_or_else(|| ATTEMPTS_UNKNOWN.to_owned(), |n| n.to_string())
+}
+
+/// What a runner writes beside a dead-lettered message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeadLetterInfo {
+    /// Why: the broker action's reason.
+    pub reason: DeadLetterReason,
+    /// The error text: the last recorded error, or what was wrong with the message.
+    pub error: String,
+    /// The attempts counted for the key; `None` when the count must be read from the store
+    /// ([`Execution::stored_attempts`]).
+    pub attempts: Option<u32>,
+}
+
+/// What to write for a result whose broker action is
+/// [`BrokerAction::DeadLetter`](crate::BrokerAction::DeadLetter): the action's `reason` and
+/// `error`, and the attempt count. `attempt` is the attempt of the handler run in this call (0
+/// when the handler did not run; [`Step::Done`] carries it).
+pub fn classify<T>(
+    result: &Result<Outcome<T>, ExecutorError>,
+    reason: DeadLetterReason,
+    error: String,
+    attempt: u32,
+) -> DeadLetterInfo {
+    let ran = (attempt > 0).then_some(attempt);
+    let attempts = match result {
+        // The handler never ran for this payload.
+        Ok(Outcome::Conflict)
+        | Err(
+            ExecutorError::MissingKey
+            | ExecutorError::InvalidKey(_)
+            | ExecutorError::InvalidMessage { .. },
+        ) => Some(0),
+        Ok(Outcome::Exhausted { attempts, .. }) => Some(*attempts),
+        Ok(Outcome::NotCommitted { attempt, .. }) => Some(*attempt),
+        // Un-deduplicated: the one run of this call, counted nowhere else.
+        Ok(Outcome::NotDeduplicated { .. }) => Some(1),
+        // A replayed result that does not decode: the count is the store's.
+        Err(ExecutorError::Decode { .. }) => None,
+        // `Failed`, `ResultNotStored`: this call's run, or (replayed) the store's count.
+        _ => ran,
+    };
+    DeadLetterInfo {
+        reason,
+        error,
+        attempts,
+    }
+}
+
+/// The outcome's name for logs and spans ([`Outcome::name`]), or `store_error` / `error`.
+pub fn outcome_name<T>(result: &Result<Outcome<T>, ExecutorError>) -> &'static str {
+    match result {
+        Ok(outcome) => outcome.name(),
+        Err(ExecutorError::Store { .. }) => "store_error",
+        Err(_) => "error",
+    }
+}
+
+/// The delay of a retry: the outcome's hint, clamped to `min..=max`.
+///
+/// # Panics
+/// When `min > max` ([`check_delays`] refuses such options).
+pub fn retry_delay(hint: Duration, min: Duration, max: Duration) -> Duration {
+    hint.clamp(min, max)
+}
+
+/// The delay before reconnecting (or pulling again) after `failures` failures in a row: `min`
+/// doubled per failure, at most `max`.
+pub fn reconnect_delay(failures: u32, min: Duration, max: Duration) -> Duration {
+    min.saturating_mul(2u32.saturating_pow(failures.min(16)))
+        .min(max)
+}
+
+/// A runner option that is not usable: which, and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct OptionError {
+    /// The option's name.
+    pub field: &'static str,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl OptionError {
+    /// An error naming `field`.
+    pub fn new(field: &'static str, reason: impl Into<String>) -> Self {
+        Self {
+            field,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Checks a pair of delays named `field`: `min` above zero and at most `max`.
+///
+/// # Errors
+/// [`OptionError`] naming `field`.
+pub fn check_delays(field: &'static str, min: Duration, max: Duration) -> Result<(), OptionError> {
+    if min.is_zero() || min > max {
+        return Err(OptionError::new(
+            field,
+            format!("min {min:?} must be above zero and at most max {max:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that every named duration is above zero.
+///
+/// # Errors
+/// [`OptionError`] naming the first that is zero.
+pub fn check_nonzero<'a>(
+    durations: impl IntoIterator<Item = (&'static str, &'a Duration)>,
+) -> Result<(), OptionError> {
+    match durations.into_iter().find(|(_, d)| d.is_zero()) {
+        Some((field, _)) => Err(OptionError::new(field, "must be above zero")),
+        None => Ok(()),
+    }
+}
+
+/// The timeouts of a lost delivery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LostTimeouts {
+    /// How long a started handler may go on after the loss (signalled through its cancellation
+    /// token half-way); then the call is dropped and its lease left to expire.
+    pub orphan: Duration,
+    /// Longest wait for the release of a lease whose handler had not started.
+    pub release: Duration,
+}
+
+impl LostTimeouts {
+    /// Checks both above zero, and `release` below `orphan` (a release runs within it).
+    ///
+    /// # Errors
+    /// [`OptionError`] naming `orphan_timeout` or `release_timeout`.
+    pub fn validate(&self) -> Result<(), OptionError> {
+        check_nonzero([
+            ("orphan_timeout", &self.orphan),
+            ("release_timeout", &self.release),
+        ])?;
+        if self.release >= self.orphan {
+            return Err(OptionError::new(
+                "release_timeout",
+                format!(
+                    "{:?} must be below orphan_timeout {:?}: a release runs within it",
+                    self.release, self.orphan
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How one executor call for a delivery ended ([`Execution::try_once`]).
+#[derive(Debug)]
+pub enum Step<T> {
+    /// The executor call returned.
+    Done {
+        /// What it returned.
+        result: Result<Outcome<T>, ExecutorError>,
+        /// The attempt of the handler run in this call; 0 when the handler did not run.
+        attempt: u32,
+    },
+    /// The delivery was lost and the call dropped: before the handler started (the lease was
+    /// released, or its release tried), or past the orphan timeout (the lease is left to expire).
+    /// The broker should deliver the message again (nothing was recorded for this call).
+    Abandoned {
+        /// Whether a lease was released (the key is free at once, no attempt counted).
+        lease_released: bool,
+    },
+}
+
+/// The executor and the handler of a runner, shared by its delivery tasks. Cheap to clone.
+pub struct Execution<H, C, R> {
+    executor: Executor<C, R>,
+    handler: Arc<H>,
+}
+
+impl<H, C, R> Clone for Execution<H, C, R> {
+    fn clone(&self) -> Self {
+        Self {
+            executor: self.executor.clone(),
+            handler: Arc::clone(&self.handler),
+        }
+    }
+}
+
+impl<H, C, R> std::fmt::Debug for Execution<H, C, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Execution")
+            .field("namespace", self.executor.namespace())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
+    /// The executor and the handler.
+    pub fn new(executor: Executor<C, R>, handler: H) -> Self {
+        Self {
+            executor,
+            handler: Arc::new(handler),
+        }
+    }
+
+    /// The executor.
+    pub fn executor(&self) -> &Executor<C, R> {
+        &self.executor
+    }
+
+    /// One executor call for `msg`, with the handler wrapped for a loss of the delivery
+    /// (`lost` cancelled: its channel closed, its partition was revoked, or the drain timed
+    /// out):
+    ///
+    /// - lost before the handler was called: the lease is released (no attempt counted) and the
+    ///   call abandoned, so the redelivery acquires the key at once;
+    /// - lost while the handler runs: it is let finish for half the orphan timeout (its result is
+    ///   recorded, and the redelivery replays it), then signalled through
+    ///   [`HandlerContext::cancellation_token`](crate::HandlerContext::cancellation_token);
+    ///   the lease is **never** released once the handler started: if the call still has to be
+    ///   dropped (at 90% of the orphan timeout), the lease expires and the next owner sees a
+    ///   takeover.
+    pub async fn try_once<M, T>(
+        &self,
+        msg: &M,
+        lost: &CancellationToken,
+        timeouts: LostTimeouts,
+    ) -> Step<T>
+    where
+        M: Message + Clone + Send + Sync + 'static,
+        H: Handler<M, R::Returns<T>>,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        let attempt = Arc::new(AtomicU32::new(0));
+        let lease_released = Arc::new(AtomicBool::new(false));
+        let released = CancellationToken::new();
+        let handler = Arc::clone(&self.handler);
+        let store = self.executor.store().clone();
+        let record = msg.clone();
+        let signal = released.clone();
+        let ran = Arc::clone(&attempt);
+        let freed = Arc::clone(&lease_released);
+        let watched = lost.clone();
+        let call = self.executor.run(msg, move |ctx| async move {
+            ran.store(ctx.attempt(), Ordering::Relaxed);
+            if !watched.is_cancelled() {
+                let cancel = ctx.cancellation_token().clone();
+                let mut run = std::pin::pin!(handler.call(record, ctx));
+                tokio::select! {
+                    biased;
+                    result = &mut run => return result,
+                    () = watched.cancelled() => {}
+                }
+                // Lost while it runs: let it finish, then ask it to stop. Never release.
+                if let Ok(result) = tokio::time::timeout(timeouts.orphan / 2, &mut run).await {
+                    return result;
+                }
+                tracing::warn!(
+                    "delivery lost: the handler is still running; signalling its cancellation token"
+                );
+                cancel.cancel();
+                return run.await;
+            }
+            // Lost before the handler was called: give the key back without counting an
+            // attempt, then never return, so the executor records nothing (the caller drops this
+            // call).
+            if let Some(lease) = ctx.lease().cloned() {
+                match tokio::time::timeout(timeouts.release, store.release(&lease)).await {
+                    Ok(Ok(())) => {
+                        freed.store(true, Ordering::Relaxed);
+                        tracing::info!(key = %lease.key, token = %lease.token, "delivery lost before the handler started: lease released");
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(key = %lease.key, error = %e, "delivery lost: lease release failed; the key stays held until its lease expires");
+                    }
+                    Err(_) => {
+                        tracing::warn!(key = %lease.key, "delivery lost: lease release timed out; the key stays held until its lease expires");
+                    }
+                }
+            }
+            signal.cancel();
+            std::future::pending().await
+        });
+        // Once lost, the call gets most of the orphan timeout, then it is dropped and its lease
+        // left to expire.
+        let lost = lost.clone();
+        let deadline = async move {
+            lost.cancelled().await;
+            tokio::time::sleep(timeouts.orphan.mul_f64(0.9)).await;
+        };
+        let abandoned = || Step::Abandoned {
+            lease_released: lease_released.load(Ordering::Relaxed),
+        };
+        tokio::select! {
+            biased;
+            result = call => Step::Done { result, attempt: attempt.load(Ordering::Relaxed) },
+            () = released.cancelled() => abandoned(),
+            () = deadline => {
+                tracing::warn!(
+                    "delivery lost: the executor call did not end in time and is dropped; its lease (not released) expires and the next owner takes it over"
+                );
+                abandoned()
+            }
+        }
+    }
+
+    /// The message's idempotency key id, when it has a readable one (for the dead-letter
+    /// [`HEADER_KEY`]).
+    pub fn key_id<M: Message>(&self, msg: &M) -> Option<String> {
+        self.executor
+            .config()
+            .key_source
+            .extract(msg)
+            .ok()
+            .flatten()
+    }
+
+    /// The attempt count the store holds for the key (best effort, for the dead-letter
+    /// [`HEADER_ATTEMPTS`]); `None` when there is no key or the store cannot be read.
+    pub async fn stored_attempts(&self, key_id: Option<&str>) -> Option<u32> {
+        let key = self.executor.namespace().key(key_id?).ok()?;
+        match self.executor.store().get(&key).await {
+            Ok(Some(record)) => Some(record.attempts),
+            _ => None,
+        }
+    }
+
+    /// The attempt count to write for `info`: its own, or the store's ([`Self::stored_attempts`]).
+    pub async fn dead_letter_attempts(
+        &self,
+        info: &DeadLetterInfo,
+        key_id: Option<&str>,
+    ) -> Option<u32> {
+        match info.attempts {
+            Some(n) => Some(n),
+            None => self.stored_attempts(key_id).await,
+        }
+    }
+}
+
+/// The timeouts of [`drain`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrainTimeouts {
+    /// How long the delivery tasks get to end by themselves.
+    pub drain: Duration,
+    /// How long they get after they were marked lost; then they are aborted.
+    pub orphan: Duration,
+}
+
+/// How a [`drain`] ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Drained {
+    /// The drain timeout passed and the tasks left were marked lost.
+    pub timed_out: bool,
+    /// Tasks still there one orphan timeout later, aborted.
+    pub aborted: usize,
+}
+
+/// Waits for every task of `tasks` (each ended one goes to `report`, which logs a panic), while
+/// `meanwhile` runs beside (e.g. giving back what the broker still sends after a cancel; it may
+/// end first). At the drain timeout it cancels `lost`, so the deliveries in process are treated
+/// as lost ([`Execution::try_once`]: handlers not started release their leases, running ones are
+/// signalled, then dropped with their leases left to expire); what is still there one orphan
+/// timeout later is aborted.
+pub async fn drain<F>(
+    tasks: &mut JoinSet<()>,
+    lost: &CancellationToken,
+    timeouts: DrainTimeouts,
+    mut report: impl FnMut(Result<(), JoinError>),
+    meanwhile: F,
+) -> Drained
+where
+    F: Future<Output = ()>,
+{
+    let mut drained = Drained::default();
+    let deadline = tokio::time::sleep(timeouts.drain);
+    tokio::pin!(deadline);
+    let mut meanwhile = std::pin::pin!(meanwhile);
+    let mut beside = true;
+    loop {
+        tokio::select! {
+            biased;
+            joined = tasks.join_next() => match joined {
+                Some(joined) => report(joined),
+                None => break,
+            },
+            () = &mut meanwhile, if beside => beside = false,
+            () = &mut deadline, if drained.aborted == 0 => {
+                if drained.timed_out {
+                    drained.aborted = tasks.len();
+                    tracing::error!(left = tasks.len(), "delivery tasks did not end within the orphan timeout: aborted");
+                    tasks.abort_all();
+                } else {
+                    tracing::warn!(
+                        left = tasks.len(),
+                        "drain timeout: the deliveries still in process are treated as lost (handlers not started release their leases; running ones are signalled, then dropped with their leases left to expire)"
+                    );
+                    drained.timed_out = true;
+                    lost.cancel();
+                    deadline.as_mut().reset(tokio::time::Instant::now() + timeouts.orphan);
+                }
+            }
+        }
+    }
+    drained
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idem_core::{IdempotencyStore, MemoryStore, Namespace, RecordState};
+
+    use super::*;
+    use crate::{
+        BrokerAction, ExecutorConfig, HandlerContext, HandlerError, JsonCodec, Plain, RawMessage,
+    };
+
+    type BoxedHandler = Box<
+        dyn Fn(
+                RawMessage,
+                HandlerContext,
+            ) -> futures::future::BoxFuture<'static, Result<u32, HandlerError>>
+            + Send
+            + Sync,
+    >;
+
+    fn execution(
+        store: Arc<MemoryStore>,
+        handler: impl Fn(
+            RawMessage,
+            HandlerContext,
+        ) -> futures::future::BoxFuture<'static, Result<u32, HandlerError>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Execution<BoxedHandler, JsonCodec, Plain> {
+        let executor = Executor::new(store, ExecutorConfig::new("t")).unwrap();
+        Execution::new(executor, Box::new(handler) as BoxedHandler)
+    }
+
+    const TIMEOUTS: LostTimeouts = LostTimeouts {
+        orphan: Duration::from_millis(400),
+        release: Duration::from_millis(200),
+    };
+
+    fn msg() -> RawMessage {
+        RawMessage::new("{}").with_header("idempotency-key", "k")
+    }
+
+    async fn state(store: &MemoryStore) -> (RecordState, u32) {
+        let key = Namespace::new("t").unwrap().key("k").unwrap();
+        let record = store.get(&key).await.unwrap().unwrap();
+        (record.state, record.attempts)
+    }
+
+    /// An execution whose handler runs `body` (once), and a `lost` token cancelled as soon as
+    /// the handler has started.
+    fn lost_once_started(
+        store: Arc<MemoryStore>,
+        body: impl Future<Output = Result<u32, HandlerError>> + Send + 'static,
+    ) -> (Execution<BoxedHandler, JsonCodec, Plain>, CancellationToken) {
+        let lost = CancellationToken::new();
+        let on_start = lost.clone();
+        let body = std::sync::Mutex::new(Some(Box::pin(body)));
+        let exec = execution(store, move |_, _| {
+            let body = body.lock().unwrap().take().expect("called once");
+            let on_start = on_start.clone();
+            Box::pin(async move {
+                on_start.cancel();
+                body.await
+            })
+        });
+        (exec, lost)
+    }
+
+    #[tokio::test]
+    async fn lost_before_the_handler_starts_releases_without_counting() {
+        let store = Arc::new(MemoryStore::new());
+        let exec = execution(store.clone(), |_, ctx| {
+            Box::pin(async move { Ok(ctx.attempt()) })
+        });
+        let lost = CancellationToken::new();
+        lost.cancel();
+        let step = exec.try_once::<_, u32>(&msg(), &lost, TIMEOUTS).await;
+        assert!(matches!(
+            step,
+            Step::Abandoned {
+                lease_released: true
+            }
+        ));
+        assert!(matches!(state(&store).await.0, RecordState::Released));
+        // The next delivery runs at once, as the same first attempt.
+        let step = exec
+            .try_once::<_, u32>(&msg(), &CancellationToken::new(), TIMEOUTS)
+            .await;
+        match step {
+            Step::Done {
+                result: Ok(Outcome::Executed(attempt)),
+                attempt: ran,
+            } => assert_eq!((attempt, ran), (1, 1)),
+            other => panic!("not executed: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn lost_while_running_lets_the_handler_finish_and_record() {
+        let store = Arc::new(MemoryStore::new());
+        let (exec, lost) = lost_once_started(store.clone(), async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok(7)
+        });
+        let step = exec.try_once::<_, u32>(&msg(), &lost, TIMEOUTS).await;
+        assert!(matches!(
+            step,
+            Step::Done {
+                result: Ok(Outcome::Executed(7)),
+                attempt: 1,
+            }
+        ));
+        assert!(matches!(
+            state(&store).await.0,
+            RecordState::Completed { .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_handler_still_running_past_the_orphan_timeout_is_dropped_not_released() {
+        let store = Arc::new(MemoryStore::new());
+        // Ignores its cancellation token.
+        let (exec, lost) = lost_once_started(store.clone(), std::future::pending());
+        let step = exec.try_once::<_, u32>(&msg(), &lost, TIMEOUTS).await;
+        assert!(
+            matches!(
+                step,
+                Step::Abandoned {
+                    lease_released: false
+                } | Step::Done {
+                    result: Ok(Outcome::LeaseLost { .. }),
+                    ..
+                }
+            ),
+            "{step:?}"
+        );
+        assert!(
+            matches!(state(&store).await, (RecordState::InProgress, _)),
+            "left to expire"
+        );
+    }
+
+    #[test]
+    fn classification_counts_the_runs_of_the_payload() {
+        let info = |r: &Result<Outcome<()>, ExecutorError>, attempt| {
+            let BrokerAction::DeadLetter { reason, error } = BrokerAction::of(r) else {
+                panic!("not a dead letter: {r:?}")
+            };
+            classify(r, reason, error, attempt)
+        };
+        let conflict = info(&Ok(Outcome::Conflict), 0);
+        assert_eq!(
+            (conflict.reason, conflict.attempts),
+            (DeadLetterReason::Conflict, Some(0))
+        );
+        assert_eq!(info(&Err(ExecutorError::MissingKey), 0).attempts, Some(0));
+        let exhausted = Ok(Outcome::Exhausted {
+            attempts: 3,
+            last_error: Some("boom".into()),
+        });
+        assert_eq!(
+            info(&exhausted, 3),
+            DeadLetterInfo {
+                reason: DeadLetterReason::Exhausted,
+                error: "boom".into(),
+                attempts: Some(3)
+            }
+        );
+        let failed = Ok(Outcome::Failed {
+            error: "bad".into(),
+        });
+        assert_eq!(info(&failed, 2).attempts, Some(2));
+        assert_eq!(info(&failed, 0).attempts, None, "read from the store");
+        assert_eq!(attempts_value(Some(3)), "3");
+        assert_eq!(attempts_value(None), ATTEMPTS_UNKNOWN);
+    }
+
+    #[test]
+    fn delays_are_clamped_and_checked() {
+        let (min, max) = (Duration::from_millis(100), Duration::from_secs(5));
+        assert_eq!(
+            retry_delay(Duration::from_secs(1), min, max),
+            Duration::from_secs(1)
+        );
+        assert_eq!(reconnect_delay(0, min, max), min);
+        assert_eq!(reconnect_delay(u32::MAX, min, max), max);
+        assert!(check_delays("retry_delay", min, max).is_ok());
+        assert_eq!(
+            check_delays("retry_delay", max, min).unwrap_err().field,
+            "retry_delay"
+        );
+        assert_eq!(
+            check_delays("retry_delay", Duration::ZERO, max)
+                .unwrap_err()
+                .field,
+            "retry_delay"
+        );
+        assert_eq!(
+            check_nonzero([("a", &min), ("b", &Duration::ZERO)])
+                .unwrap_err()
+                .field,
+            "b"
+        );
+        assert!(TIMEOUTS.validate().is_ok());
+        let inverted = LostTimeouts {
+            orphan: Duration::from_millis(100),
+            release: Duration::from_millis(100),
+        };
+        assert_eq!(inverted.validate().unwrap_err().field, "release_timeout");
+    }
+
+    #[tokio::test]
+    async fn drain_marks_the_rest_lost_then_aborts() {
+        let mut tasks = JoinSet::new();
+        let lost = CancellationToken::new();
+        // Ends at once; ends when lost; never ends.
+        tasks.spawn(async {});
+        let watched = lost.clone();
+        tasks.spawn(async move { watched.cancelled().await });
+        tasks.spawn(std::future::pending());
+        let mut joined = 0;
+        let drained = drain(
+            &mut tasks,
+            &lost,
+            DrainTimeouts {
+                drain: Duration::from_millis(50),
+                orphan: Duration::from_millis(50),
+            },
+            |_| joined += 1,
+            async {},
+        )
+        .await;
+        assert_eq!(
+            drained,
+            Drained {
+                timed_out: true,
+                aborted: 1
+            }
+        );
+        assert!(lost.is_cancelled());
+        assert_eq!(joined, 3);
+        assert!(tasks.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_drain_whose_tasks_end_in_time_marks_nothing_lost() {
+        let mut tasks = JoinSet::new();
+        tasks.spawn(async {});
+        let lost = CancellationToken::new();
+        let drained = drain(
+            &mut tasks,
+            &lost,
+            DrainTimeouts {
+                drain: Duration::from_secs(30),
+                orphan: Duration::from_secs(30),
+            },
+            |joined| assert!(joined.is_ok()),
+            std::future::pending(),
+        )
+        .await;
+        assert_eq!(drained, Drained::default());
+        assert!(!lost.is_cancelled());
+    }
+}
