@@ -40,9 +40,11 @@ enum Attr {
 impl Attr {
     fn value(self) -> AttributeValue {
         match self {
-            Self::State(i) => {
-                AttributeValue::S(StateKind::ALL[usize::from(i) % StateKind::ALL.len()].name().into())
-            }
+            Self::State(i) => AttributeValue::S(
+                StateKind::ALL[usize::from(i) % StateKind::ALL.len()]
+                    .name()
+                    .into(),
+            ),
             Self::S(s) => AttributeValue::S(s),
             Self::Number(n) => AttributeValue::N(n.to_string()),
             Self::N(s) => AttributeValue::N(s),

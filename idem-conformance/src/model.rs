@@ -46,8 +46,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use idem_core::machine::{self, AcquireDecision, Finish, Finished};
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, DynStore, Error, FailureKind, FencingToken,
-    Fingerprint, IdempotencyKey, Lease, LostLease, ManualClock, Namespace, Record, RecordState,
+    AcquireOutcome, AcquireRequest, Bytes, DynStore, Error, FailureKind, FencingToken, Fingerprint,
+    IdempotencyKey, Lease, LostLease, ManualClock, Namespace, Record, RecordState,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, RngAlgorithm, TestError, TestRng, TestRunner};
@@ -100,7 +100,7 @@ impl ModelConfig {
             time: TimeControl::Real {
                 slack: Duration::from_millis(50),
             },
-            seed: env_u32("IDEM_MODEL_SEED").map(u64::from),
+            seed: env_u64("IDEM_MODEL_SEED"),
         }
     }
 
@@ -132,6 +132,12 @@ impl ModelConfig {
 }
 
 fn env_u32(var: &str) -> Option<u32> {
+    env_u64(var).map(|n| {
+        u32::try_from(n).unwrap_or_else(|_| panic!("{var}={n} is larger than {}", u32::MAX))
+    })
+}
+
+fn env_u64(var: &str) -> Option<u64> {
     let value = std::env::var(var).ok()?;
     Some(
         value
@@ -448,7 +454,9 @@ fn run_thread(
             return Ok(());
         }
         let outcome = handle.block_on(run_history(shared, &history));
-        shared.steps.fetch_add(history.0.len() as u64, Ordering::SeqCst);
+        shared
+            .steps
+            .fetch_add(history.0.len() as u64, Ordering::SeqCst);
         let done = shared.histories.fetch_add(1, Ordering::SeqCst);
         match outcome {
             Ok(()) => Ok(()),
@@ -637,21 +645,28 @@ impl Run<'_> {
                     return Err(format!("extend: store {got_text}, model {want_text}"));
                 }
                 if let (Ok(new_real), Ok((new_model, _))) = (got, expected) {
-                    self.uncertainty
-                        .insert(model.key.clone(), Uncertainty(after.duration_since(before).unwrap_or_default()));
+                    self.uncertainty.insert(
+                        model.key.clone(),
+                        Uncertainty(after.duration_since(before).unwrap_or_default()),
+                    );
                     self.leases[i] = (new_real, new_model);
                 }
                 Ok(())
             }
             Step::Complete { lease, result } => {
                 let result = Bytes::from_static(RESULTS[*result]);
-                self.finish(*lease, "complete", |store, lease| {
-                    let result = result.clone();
-                    Box::pin(async move { store.complete(&lease, result, RETENTION).await })
-                }, Finish::Complete {
-                    result: &result,
-                    retention: RETENTION,
-                })
+                self.finish(
+                    *lease,
+                    "complete",
+                    |store, lease| {
+                        let result = result.clone();
+                        Box::pin(async move { store.complete(&lease, result, RETENTION).await })
+                    },
+                    Finish::Complete {
+                        result: &result,
+                        retention: RETENTION,
+                    },
+                )
                 .await
             }
             Step::Fail { lease, error, kind } => {
@@ -661,9 +676,7 @@ impl Run<'_> {
                     *lease,
                     "fail",
                     move |store, lease| {
-                        Box::pin(
-                            async move { store.fail(&lease, error, kind, RETENTION).await },
-                        )
+                        Box::pin(async move { store.fail(&lease, error, kind, RETENTION).await })
                     },
                     Finish::Fail {
                         error,
@@ -714,10 +727,7 @@ impl Run<'_> {
                     .await
                     .map_err(|e| format!("delete answered an error: {e}"))?;
                 let now = self.now();
-                let want = self
-                    .model
-                    .remove(&key)
-                    .is_some_and(|r| !r.is_expired(now));
+                let want = self.model.remove(&key).is_some_and(|r| !r.is_expired(now));
                 self.uncertainty.remove(&key);
                 self.log.push(format!("delete {:?}: {got}", key.id()));
                 if got != want {
@@ -755,10 +765,7 @@ impl Run<'_> {
             && record.state == RecordState::InProgress
             && let Some(end) = record.lease_expires_at
         {
-            let unc = self
-                .uncertainty
-                .get(&key)
-                .map_or(Duration::ZERO, |u| u.0);
+            let unc = self.uncertainty.get(&key).map_or(Duration::ZERO, |u| u.0);
             let slack = self.slack();
             let surely_live = end > window.after + slack;
             let surely_expired = end + unc + slack <= window.before;
@@ -855,10 +862,7 @@ impl Run<'_> {
         how: Finish<'_>,
     ) -> Result<(), String>
     where
-        F: FnOnce(
-            DynStore,
-            Lease,
-        ) -> futures::future::BoxFuture<'static, idem_core::Result<()>>,
+        F: FnOnce(DynStore, Lease) -> futures::future::BoxFuture<'static, idem_core::Result<()>>,
     {
         let Some(i) = self.pick(index) else {
             self.log.push(format!("{name}: no lease yet"));
@@ -932,7 +936,9 @@ impl Run<'_> {
         Ok(match outcome {
             AcquireOutcome::Acquired { lease, takeover } => {
                 if lease.owner != req.owner || lease.key != req.key {
-                    return Err(format!("acquire returned a lease of another owner or key: {lease:?}"));
+                    return Err(format!(
+                        "acquire returned a lease of another owner or key: {lease:?}"
+                    ));
                 }
                 format!("acquired attempt {} takeover {takeover}", lease.attempt)
             }
@@ -975,8 +981,16 @@ impl Run<'_> {
             record
                 .fingerprint
                 .map_or("none".to_owned(), |f| f.to_hex()[..8].to_owned()),
-            if record.lease_expires_at.is_some() { "set" } else { "none" },
-            if record.expires_at.is_some() { "set" } else { "none" },
+            if record.lease_expires_at.is_some() {
+                "set"
+            } else {
+                "none"
+            },
+            if record.expires_at.is_some() {
+                "set"
+            } else {
+                "none"
+            },
         ))
     }
 }

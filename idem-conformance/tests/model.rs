@@ -28,11 +28,7 @@ async fn memory_store_matches_the_model() {
 async fn memory_store_on_the_system_clock_matches_the_model() {
     let store = Arc::new(MemoryStore::new());
     let histories = model::DEFAULT_HISTORIES / 5;
-    let report = model::check(
-        store,
-        ModelConfig::real_time().with_histories(histories),
-    )
-    .await;
+    let report = model::check(store, ModelConfig::real_time().with_histories(histories)).await;
     assert_eq!(report.histories, u64::from(histories));
 }
 

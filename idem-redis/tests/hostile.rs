@@ -78,7 +78,10 @@ fn change() -> impl Strategy<Value = Change> {
     prop_oneof![
         any::<usize>().prop_map(Change::Truncate),
         (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Change::Set(i, b)),
-        (any::<usize>(), proptest::collection::vec(any::<u8>(), 1..12))
+        (
+            any::<usize>(),
+            proptest::collection::vec(any::<u8>(), 1..12)
+        )
             .prop_map(|(i, b)| Change::Insert(i, b)),
         (1..20usize).prop_map(Change::HugeVarint),
         (0..8u8).prop_map(Change::State),
@@ -325,13 +328,7 @@ fn run(store: Option<RedisStore>, rt: &tokio::runtime::Runtime) {
     let admin = std::cell::RefCell::new(admin);
     let result = runner.run(&planted(bases), |value| {
         n.set(n.get() + 1);
-        rt.block_on(check(
-            &store,
-            &mut admin.borrow_mut(),
-            &ns,
-            n.get(),
-            &value,
-        ))
+        rt.block_on(check(&store, &mut admin.borrow_mut(), &ns, n.get(), &value))
     });
     if let Err(e) = result {
         panic!("{e}");
