@@ -4,6 +4,7 @@ pub mod effects;
 pub mod faults;
 mod harness;
 mod ledger;
+pub mod model;
 pub mod outage;
 pub mod scenarios;
 pub mod servers;

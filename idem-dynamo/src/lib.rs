@@ -8,6 +8,11 @@ mod expr;
 mod item;
 mod list;
 mod store;
+
+/// Decoders reached by the fuzz targets in `fuzz/` (only with `--cfg fuzzing`).
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub mod fuzzing;
 mod table;
 mod transact;
 

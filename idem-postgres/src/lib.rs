@@ -6,6 +6,11 @@ mod error;
 mod schema;
 mod sql;
 mod store;
+
+/// Decoders reached by the fuzz targets in `fuzz/` (only with `--cfg fuzzing`).
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub mod fuzzing;
 mod sweeper;
 #[cfg(feature = "tls")]
 mod tls;

@@ -5,6 +5,11 @@ mod config;
 mod conn;
 mod scripts;
 mod store;
+
+/// Decoders reached by the fuzz targets in `fuzz/` (only with `--cfg fuzzing`).
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub mod fuzzing;
 mod writes;
 
 pub use config::{DEFAULT_PREFIX, RedisConfig};

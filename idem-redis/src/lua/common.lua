@@ -132,6 +132,10 @@ local function load()
   end
   local state = head % 8
   local tok = sub(v, 2, 9)
+  -- Tokens stay below 2^53 (see above): a larger one would not stay exact, nor rise by one.
+  if byte(tok, 1) ~= 0 or byte(tok, 2) >= 32 then
+    corrupt('token of 2^53 or more')
+  end
   local token = struct.unpack('>I8', tok)
   if state == TOMBSTONE then
     if head ~= FORMAT + TOMBSTONE or #v ~= 9 then
