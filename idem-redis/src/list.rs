@@ -25,9 +25,9 @@ use crate::codec;
 use crate::config::RedisConfig;
 use crate::conn::{Conn, map_error};
 
-/// The `SCAN` steps one [`list`] call takes at most before it returns a page (possibly with
-/// fewer records than the limit, even none) and a cursor to go on from.
-pub(crate) const MAX_STEPS: usize = 64;
+/// About how many keys (of every namespace) one [`list`] call visits at most before it returns
+/// a page (possibly with fewer records than the limit, even none) and a cursor to go on from.
+pub(crate) const MAX_KEYS_PER_CALL: usize = 100_000;
 
 /// The script, with the flags that let it read keys of any slot of the node it runs on.
 static SCRIPT: LazyLock<(String, Script)> = LazyLock::new(|| {
@@ -160,9 +160,11 @@ pub(crate) async fn list(
     };
     let prefix = format!("{}{}:", config.prefix, query.namespace.as_str());
     let pattern = pattern(&config.prefix, query.namespace.as_str());
-    let count = query.limit.clamp(100, 1000);
+    // Keys visited per step: a page's worth of matches, up to four pages' (a step cut across
+    // pages is read again by the next page).
+    let count = query.limit.saturating_mul(4).clamp(100, 1000);
     let mut records: Vec<Record> = Vec::new();
-    for _ in 0..MAX_STEPS {
+    for _ in 0..MAX_KEYS_PER_CALL / count {
         let Some(node) = nodes.get(pos.node) else {
             return Ok(Page::new(records, None));
         };
