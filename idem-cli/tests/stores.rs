@@ -133,11 +133,7 @@ async fn operator_flow(backend: Backend) {
     let out = run(&fx, &["delete", n, "never-written", "--yes"]).await;
     assert_eq!(out.status.code(), Some(1), "{out:?}");
 
-    if fx.lists {
-        listing_flow(&fx, n).await;
-    } else {
-        no_listing(&fx, n).await;
-    }
+    listing_flow(&fx, n).await;
 }
 
 /// On a store that lists: list, pages, stats, release-stuck and filtered delete.
@@ -269,32 +265,6 @@ async fn listing_flow(fx: &Fixture, n: &str) {
     assert!(fx.store.get(&failed).await.unwrap().is_none());
 }
 
-/// On a store without a native listing yet: every listing command is exit code 2, one line.
-async fn no_listing(fx: &Fixture, n: &str) {
-    let commands: [&[&str]; 4] = [
-        &["list", n],
-        &["stats", n],
-        &["release-stuck", n, "--older-than", "1m", "--yes"],
-        &["delete", n, "--status", "completed", "--yes"],
-    ];
-    for args in commands {
-        let out = run(fx, args).await;
-        assert_eq!(
-            out.status.code(),
-            Some(2),
-            "{:?} {args:?}: {out:?}",
-            fx.backend
-        );
-        let line = one_line_error(&out.stderr);
-        assert!(line.contains("does not support list"), "{line}");
-    }
-    let binary = idem_core::Namespace::new(n).unwrap().key("binary").unwrap();
-    assert!(
-        fx.store.get(&binary).await.unwrap().is_some(),
-        "nothing deleted"
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis() {
     operator_flow(Backend::Redis).await;
@@ -377,7 +347,12 @@ async fn a_missing_schema_or_table_is_a_store_error_that_says_how_to_fix_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_on_stores_that_expire_by_themselves_says_so() {
-    for backend in [Backend::Redis, Backend::Postgres, Backend::Sqlite] {
+    for backend in [
+        Backend::Redis,
+        Backend::Cluster,
+        Backend::Postgres,
+        Backend::Sqlite,
+    ] {
         let Some(fx) = fixture(backend).await else {
             continue;
         };
@@ -385,7 +360,7 @@ async fn purge_on_stores_that_expire_by_themselves_says_so() {
         assert!(out.status.success(), "{backend:?}: {out:?}");
         let report = &json_lines(&out.stdout)[0];
         assert!(report["purged"].is_u64(), "{report}");
-        if backend == Backend::Redis {
+        if matches!(backend, Backend::Redis | Backend::Cluster) {
             fx.idem(&["purge"])
                 .assert()
                 .success()

@@ -587,6 +587,7 @@ async fn control_store_passes_every_scenario() {
         scenario!(c22_text_fidelity),
         scenario!(c23_round_trips),
         scenario!(c24_batches_equal_singles),
+        scenario!(c26_listing),
     ];
     assert_eq!(
         all.len(),

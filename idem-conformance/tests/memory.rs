@@ -153,22 +153,3 @@ mod outage {
         assert!(outside.duplicate_effects > 0, "{outside:?}");
     }
 }
-
-/// C26 (listing) on `MemoryStore`.
-mod listing {
-    use super::*;
-
-    #[tokio::test]
-    async fn c26_listing_manual_clock() {
-        let clock = Arc::new(ManualClock::default());
-        let store = MemoryStore::with_clock(clock.clone());
-        let h = Harness::new(Arc::new(store), Config::manual_time(clock));
-        idem_conformance::scenarios::c26_listing(&h).await;
-    }
-
-    #[tokio::test]
-    async fn c26_listing_system_clock() {
-        let h = Harness::new(Arc::new(MemoryStore::new()), Config::real_time());
-        idem_conformance::scenarios::c26_listing(&h).await;
-    }
-}

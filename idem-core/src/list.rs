@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::error::{Error, Result};
 use crate::key::Namespace;
-use crate::record::{FailureKind, Record, RecordState};
+use crate::record::{FailureKind, Record, RecordState, StateKind};
 
 /// Most records one page holds.
 pub const MAX_PAGE: usize = 1000;
@@ -72,6 +72,24 @@ impl Status {
                 FailureKind::Terminal => Self::FailedTerminal,
                 FailureKind::ResultNotStored => Self::ResultNotStored,
             },
+        }
+    }
+
+    /// The stored states a record with this status can be in: what a store with an index by
+    /// state reads to find it ([`Status::Exhausted`] comes from three).
+    pub fn states(self) -> &'static [StateKind] {
+        match self {
+            Self::InProgress | Self::LeaseExpired => &[StateKind::InProgress],
+            Self::Released => &[StateKind::Released],
+            Self::Completed => &[StateKind::Completed],
+            Self::FailedRetryable => &[StateKind::Failed(FailureKind::Retryable)],
+            Self::FailedTerminal => &[StateKind::Failed(FailureKind::Terminal)],
+            Self::ResultNotStored => &[StateKind::Failed(FailureKind::ResultNotStored)],
+            Self::Exhausted => &[
+                StateKind::InProgress,
+                StateKind::Released,
+                StateKind::Failed(FailureKind::Retryable),
+            ],
         }
     }
 

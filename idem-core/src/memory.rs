@@ -1,6 +1,6 @@
 //! The in-memory reference store.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -11,11 +11,11 @@ use bytes::Bytes;
 
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, Result};
-use crate::key::IdempotencyKey;
+use crate::key::{IdempotencyKey, Namespace};
 use crate::list::{Cursor, ListQuery, Page};
 use crate::machine::{self, AcquireDecision, Finish};
 use crate::record::{
-    AcquireOutcome, AcquireRequest, FailureKind, FencingToken, Lease, Limits, Record,
+    AcquireOutcome, AcquireRequest, FailureKind, FencingToken, Lease, Limits, Record, StateKind,
     check_lease_ttl,
 };
 use crate::store::IdempotencyStore;
@@ -101,15 +101,70 @@ pub struct MemoryStore {
     inner: Arc<Inner>,
 }
 
+/// One shard: its records, and the ids of each namespace's records by stored state (what
+/// [`MemoryStore::list`](IdempotencyStore::list) reads, so that listing one state among many
+/// does not look at the others).
+#[derive(Debug, Default)]
+struct Shard {
+    records: HashMap<IdempotencyKey, Record>,
+    by_state: HashMap<(Namespace, StateKind), BTreeSet<String>>,
+}
+
+impl Shard {
+    fn state(&self, key: &IdempotencyKey) -> Option<StateKind> {
+        self.records.get(key).map(|r| r.state.kind())
+    }
+
+    /// Brings the index up to date after `key`'s record went from state `before` to whatever
+    /// it holds now.
+    fn sync(&mut self, key: &IdempotencyKey, before: Option<StateKind>) {
+        let after = self.state(key);
+        if before == after {
+            return;
+        }
+        if let Some(old) = before {
+            let slot = (key.namespace().clone(), old);
+            if let Some(ids) = self.by_state.get_mut(&slot) {
+                ids.remove(key.id());
+                if ids.is_empty() {
+                    self.by_state.remove(&slot);
+                }
+            }
+        }
+        if let Some(new) = after {
+            self.by_state
+                .entry((key.namespace().clone(), new))
+                .or_default()
+                .insert(key.id().to_owned());
+        }
+    }
+
+    fn insert(&mut self, record: Record) {
+        let key = record.key.clone();
+        let before = self.state(&key);
+        self.records.insert(key.clone(), record);
+        self.sync(&key, before);
+    }
+
+    fn remove(&mut self, key: &IdempotencyKey) -> Option<Record> {
+        let before = self.state(key);
+        let removed = self.records.remove(key);
+        self.sync(key, before);
+        removed
+    }
+}
+
 #[derive(Debug)]
 struct Inner {
-    shards: Box<[Mutex<HashMap<IdempotencyKey, Record>>]>,
+    shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
     tokens: AtomicU64,
     limits: Limits,
     available: AtomicBool,
     effects: Mutex<HashMap<String, Bytes>>,
+    /// Records `list` looked at: see [`MemoryStore::records_examined`].
+    examined: AtomicU64,
 }
 
 impl Default for MemoryStore {
@@ -140,6 +195,7 @@ impl MemoryStore {
                 limits,
                 available: AtomicBool::new(true),
                 effects: Mutex::default(),
+                examined: AtomicU64::new(0),
             }),
         }
     }
@@ -151,7 +207,19 @@ impl MemoryStore {
 
     /// Number of records held, including expired ones not yet purged.
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|s| lock(s).len()).sum()
+        self.inner
+            .shards
+            .iter()
+            .map(|s| lock(s).records.len())
+            .sum()
+    }
+
+    /// How many records [`list`](IdempotencyStore::list) calls on this store (and its clones)
+    /// have looked at so far. `list` reads only the records of the query's namespace in the
+    /// stored states its statuses can come from ([`Status::states`](crate::Status::states)), through a per-shard
+    /// index, so listing one state among many looks at that state's records and no others.
+    pub fn records_examined(&self) -> u64 {
+        self.inner.examined.load(Ordering::Relaxed)
     }
 
     /// The value a [`MemoryWrites`] committed at `key`, if any.
@@ -175,10 +243,7 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(
-        &self,
-        key: &IdempotencyKey,
-    ) -> Result<MutexGuard<'_, HashMap<IdempotencyKey, Record>>> {
+    fn shard(&self, key: &IdempotencyKey) -> Result<MutexGuard<'_, Shard>> {
         if !self.inner.available.load(Ordering::SeqCst) {
             return Err(Error::unavailable("memory", SimulatedOutage));
         }
@@ -197,7 +262,10 @@ impl MemoryStore {
     fn finish(&self, lease: &Lease, how: Finish<'_>) -> Result<()> {
         let mut shard = self.shard(&lease.key)?;
         let now = self.now();
-        machine::finish(shard.get_mut(&lease.key), lease, how, now).map(drop)
+        let before = shard.state(&lease.key);
+        let result = machine::finish(shard.records.get_mut(&lease.key), lease, how, now).map(drop);
+        shard.sync(&lease.key, before);
+        result
     }
 }
 
@@ -221,9 +289,9 @@ impl IdempotencyStore for MemoryStore {
         req.validate()?;
         let mut shard = self.shard(&req.key)?;
         let now = self.now();
-        match machine::acquire(shard.get(&req.key), req, now, || self.next_token()) {
+        match machine::acquire(shard.records.get(&req.key), req, now, || self.next_token()) {
             AcquireDecision::Write(record, outcome) => {
-                shard.insert(req.key.clone(), record);
+                shard.insert(record);
                 Ok(outcome)
             }
             AcquireDecision::Keep(outcome) => Ok(outcome),
@@ -234,7 +302,7 @@ impl IdempotencyStore for MemoryStore {
         check_lease_ttl(ttl)?;
         let mut shard = self.shard(&lease.key)?;
         let now = self.now();
-        let record = machine::check_fence(shard.get_mut(&lease.key), lease, now)?;
+        let record = machine::check_fence(shard.records.get_mut(&lease.key), lease, now)?;
         Ok(machine::extend(record, lease, ttl, now))
     }
 
@@ -274,7 +342,11 @@ impl IdempotencyStore for MemoryStore {
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>> {
         let shard = self.shard(key)?;
         let now = self.now();
-        Ok(shard.get(key).filter(|r| !r.is_expired(now)).cloned())
+        Ok(shard
+            .records
+            .get(key)
+            .filter(|r| !r.is_expired(now))
+            .cloned())
     }
 
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool> {
@@ -283,8 +355,10 @@ impl IdempotencyStore for MemoryStore {
         Ok(shard.remove(key).is_some_and(|r| !r.is_expired(now)))
     }
 
-    /// Scans every shard for the namespace (O(records held)), sorted by id; the cursor is the
-    /// last id returned, hex-encoded.
+    /// Reads, in every shard, the ids of the namespace's records in the stored states the
+    /// query's statuses can come from (a per-shard index by namespace and state), so the
+    /// records looked at are those of the wanted states only ([`MemoryStore::records_examined`]
+    /// counts them); sorted by id, the cursor is the last id returned, hex-encoded.
     async fn list(&self, query: &ListQuery) -> Result<Page> {
         query.validate()?;
         if !self.inner.available.load(Ordering::SeqCst) {
@@ -299,18 +373,44 @@ impl IdempotencyStore for MemoryStore {
                     .ok_or_else(|| Error::invalid("cursor", "is not a cursor of this store"))?,
             ),
         };
+        let states: Vec<StateKind> = if query.statuses.is_empty() {
+            StateKind::ALL.to_vec()
+        } else {
+            query
+                .statuses
+                .iter()
+                .flat_map(|s| s.states())
+                .copied()
+                .collect()
+        };
         let now = self.now();
         let mut found: Vec<Record> = Vec::new();
+        let mut examined = 0u64;
         for shard in self.inner.shards.iter() {
-            found.extend(
-                lock(shard)
-                    .values()
-                    .filter(|r| r.key.namespace() == &query.namespace)
-                    .filter(|r| after.as_deref().is_none_or(|a| r.key.id() > a))
-                    .filter(|r| !r.is_expired(now) && query.matches(r, now))
-                    .cloned(),
-            );
+            let shard = lock(shard);
+            for state in StateKind::ALL.iter().filter(|s| states.contains(s)) {
+                let Some(ids) = shard.by_state.get(&(query.namespace.clone(), *state)) else {
+                    continue;
+                };
+                let from = match &after {
+                    Some(a) => std::ops::Bound::Excluded(a.clone()),
+                    None => std::ops::Bound::Unbounded,
+                };
+                for id in ids.range((from, std::ops::Bound::Unbounded)) {
+                    let Ok(key) = query.namespace.key(id) else {
+                        continue;
+                    };
+                    let Some(record) = shard.records.get(&key) else {
+                        continue;
+                    };
+                    examined += 1;
+                    if !record.is_expired(now) && query.matches(record, now) {
+                        found.push(record.clone());
+                    }
+                }
+            }
         }
+        self.inner.examined.fetch_add(examined, Ordering::Relaxed);
         found.sort_by(|a, b| a.key.id().cmp(b.key.id()));
         let next = (found.len() > query.limit).then(|| {
             found.truncate(query.limit);
@@ -331,6 +431,7 @@ impl IdempotencyStore for MemoryStore {
             }
             let mut shard = lock(shard);
             let expired: Vec<IdempotencyKey> = shard
+                .records
                 .iter()
                 .filter(|(_, r)| r.is_expired(now))
                 .map(|(k, _)| k.clone())
@@ -369,44 +470,63 @@ impl crate::store::TransactionalStore for MemoryStore {
         // Lock order: the record's shard, then the effects.
         let mut shard = self.shard(&lease.key)?;
         let now = self.now();
-        let record = shard.get_mut(&lease.key);
-        let how = Finish::Complete {
-            result: &result,
+        let before = shard.state(&lease.key);
+        let result = complete_with_in(
+            &mut shard.records,
+            lease,
+            &result,
             retention,
-        };
-        let live = record.as_deref().is_some_and(|r| {
-            !r.is_expired(now)
-                && r.token == lease.token
-                && r.state == crate::RecordState::InProgress
-        });
-        if !live {
-            // A replay answers Ok without applying the writes again; anything else is refused.
-            return machine::finish(record, lease, how, now).map(drop);
-        }
-        let mut effects = lock(&self.inner.effects);
-        for (index, op) in writes.ops.iter().enumerate() {
-            if let MemoryWrite::Expect(key, want) = op
-                && effects.get(key) != want.as_ref()
-            {
-                return Err(Error::EffectRefused {
-                    store: "memory",
-                    index,
-                    reason: format!("condition on {key:?} failed"),
-                });
-            }
-        }
-        machine::finish(record, lease, how, now)?;
-        for op in writes.ops {
-            match op {
-                MemoryWrite::Put(key, value) => {
-                    effects.insert(key, value);
-                }
-                MemoryWrite::Delete(key) => {
-                    effects.remove(&key);
-                }
-                MemoryWrite::Expect(..) => {}
-            }
-        }
-        Ok(())
+            writes,
+            now,
+            &self.inner.effects,
+        );
+        shard.sync(&lease.key, before);
+        result
     }
+}
+
+/// The body of [`MemoryStore::complete_with`] on the record's shard (locked by the caller).
+fn complete_with_in(
+    records: &mut HashMap<IdempotencyKey, Record>,
+    lease: &Lease,
+    result: &Bytes,
+    retention: Duration,
+    writes: MemoryWrites,
+    now: SystemTime,
+    effects: &Mutex<HashMap<String, Bytes>>,
+) -> Result<()> {
+    let record = records.get_mut(&lease.key);
+    let how = Finish::Complete { result, retention };
+    let live = record.as_deref().is_some_and(|r| {
+        !r.is_expired(now) && r.token == lease.token && r.state == crate::RecordState::InProgress
+    });
+    if !live {
+        // A replay answers Ok without applying the writes again; anything else is refused.
+        return machine::finish(record, lease, how, now).map(drop);
+    }
+    let mut effects = lock(effects);
+    for (index, op) in writes.ops.iter().enumerate() {
+        if let MemoryWrite::Expect(key, want) = op
+            && effects.get(key) != want.as_ref()
+        {
+            return Err(Error::EffectRefused {
+                store: "memory",
+                index,
+                reason: format!("condition on {key:?} failed"),
+            });
+        }
+    }
+    machine::finish(record, lease, how, now)?;
+    for op in writes.ops {
+        match op {
+            MemoryWrite::Put(key, value) => {
+                effects.insert(key, value);
+            }
+            MemoryWrite::Delete(key) => {
+                effects.remove(&key);
+            }
+            MemoryWrite::Expect(..) => {}
+        }
+    }
+    Ok(())
 }

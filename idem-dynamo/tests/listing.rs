@@ -127,15 +127,3 @@ async fn foreign_cursor_is_invalid_input() {
         );
     }
 }
-
-/// C26 on the real clock, on a table of its own (a `Scan` reads the whole table: see
-/// `tests/conformance.rs`).
-#[tokio::test]
-async fn c26_listing_real_clock() {
-    let table = format!("{}-list", common::table());
-    let Some(store) = common::store_with(common::config(&table)).await else {
-        return;
-    };
-    let h = Harness::new(Arc::new(store), Config::real_time());
-    idem_conformance::scenarios::c26_listing(&h).await;
-}

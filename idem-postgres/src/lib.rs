@@ -3,6 +3,7 @@
 mod complete_with;
 mod config;
 mod error;
+mod list;
 mod schema;
 mod sql;
 mod store;

@@ -10,7 +10,8 @@ use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, R
 use idem_core::machine::{self, AcquireDecision};
 use idem_core::{
     AcquireOutcome, AcquireRequest, Error, FailureKind, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Lease, Limits, Record, RecordState, Result, StateKind, check_lease_ttl,
+    IdempotencyStore, Lease, Limits, ListQuery, Page, Record, RecordState, Result, StateKind,
+    check_lease_ttl,
 };
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Statement};
@@ -66,6 +67,8 @@ pub(crate) struct Inner {
     pub(crate) pool: Pool,
     pub(crate) names: Names,
     pub(crate) sql: Sql,
+    /// The listing statement (see `list.rs`).
+    pub(crate) list: Stmt,
     pub(crate) config: PostgresConfig,
     /// `lock_timeout` value passed to acquire, in milliseconds.
     pub(crate) lock_timeout_ms: String,
@@ -124,6 +127,7 @@ impl PostgresStore {
             inner: Arc::new(Inner {
                 pool,
                 sql,
+                list: crate::list::statement(&names),
                 names,
                 lock_timeout_ms: config.lock_timeout.as_millis().to_string(),
                 op_timeout: config.statement_timeout + Duration::from_secs(1),
@@ -291,7 +295,7 @@ impl PostgresStore {
 
     /// Runs one cached, prepared statement on a pooled connection, bounded by the client-side
     /// timeout. A connection that timed out or failed is dropped rather than returned to the pool.
-    async fn query(&self, stmt: &Stmt, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
+    pub(crate) async fn query(&self, stmt: &Stmt, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
         let client = self.conn().await?;
         let run = async {
             let prepared: Statement = client.prepare_typed_cached(&stmt.sql, stmt.types).await?;
@@ -701,6 +705,15 @@ impl IdempotencyStore for PostgresStore {
             Some(row) => column(row, "live", key),
             None => Ok(false),
         }
+    }
+
+    /// Keyset pages over the listing index `(namespace, state, id)` (schema version 3), one
+    /// state at a time and only the states the query's statuses can come from, so listing one
+    /// state among many reads only that state's part of the index (see
+    /// [`explain_list`](PostgresStore::explain_list)). Ids come in byte order within a state;
+    /// the cursor is the state and the last id.
+    async fn list(&self, query: &ListQuery) -> Result<Page> {
+        self.list_page(query).await
     }
 
     async fn purge_expired(&self, limit: usize) -> Result<u64> {

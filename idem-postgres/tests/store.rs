@@ -50,7 +50,7 @@ async fn migrate_is_idempotent_and_concurrent() {
         "exactly one run applies the migrations: {applied:?}"
     );
     assert!(
-        applied.contains(&vec![1, 2]),
+        applied.contains(&vec![1, 2, 3]),
         "every version, in order: {applied:?}"
     );
     let again = store.migrate().await.unwrap();
@@ -982,7 +982,10 @@ async fn a_v1_table_is_upgraded_in_place() {
         .fail(&lease, "too big", FailureKind::ResultNotStored, RETENTION)
         .await;
     let text = assert_not_set_up("a v2 state on v1", r, &format!("\"{schema}\".\"old\""));
-    assert!(text.contains("schema version 2"), "{text}");
+    assert!(
+        text.contains(&format!("schema version {}", idem_postgres::SCHEMA_VERSION)),
+        "{text}"
+    );
     assert_eq!(
         store.get(&lease.key).await.unwrap().unwrap().state,
         RecordState::InProgress,
@@ -990,8 +993,17 @@ async fn a_v1_table_is_upgraded_in_place() {
     );
 
     let report = store.migrate().await.unwrap();
-    assert_eq!(report.applied, vec![2]);
-    assert_eq!(report.version, 2);
+    assert_eq!(report.applied, vec![2, 3]);
+    assert_eq!(report.version, 3);
+    let list_index: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND indexname = 'old_list_idx'",
+            &[&schema],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(list_index, 1, "migrate adds the listing index to the old table");
     let validated: bool = admin
         .query_one(
             "SELECT convalidated FROM pg_constraint \

@@ -3,6 +3,7 @@
 mod codec;
 mod config;
 mod conn;
+mod list;
 mod scripts;
 mod store;
 

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
     AcquireOutcome, AcquireRequest, Error, FailureKind, IdempotencyKey, IdempotencyStore, Lease,
-    Limits, Record, Result, TransactionalStore, check_lease_ttl,
+    Limits, ListQuery, Page, Record, Result, TransactionalStore, check_lease_ttl,
 };
 use redis::Value;
 use redis::aio::ConnectionManager;
@@ -418,6 +418,14 @@ impl IdempotencyStore for RedisStore {
                 codec::Bad(format!("unexpected delete reply {other:?}")),
             )),
         }
+    }
+
+    /// `SCAN` with the namespace's key pattern on the server, or on every primary of a cluster
+    /// (ordered by the slots they serve), one read-only script call per step: see the
+    /// [crate docs](crate#listing) for the cost (every key of every namespace is visited once
+    /// per full listing), the cursor and what happens when the cluster changes meanwhile.
+    async fn list(&self, query: &ListQuery) -> Result<Page> {
+        crate::list::list(&self.inner.conn, &self.inner.config, &self.inner.sent, query).await
     }
 
     /// A no-op returning 0: every finished record carries its retention as the key's own expiry

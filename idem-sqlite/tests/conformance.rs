@@ -26,11 +26,6 @@ mod manual_clock {
     }
 
     idem_conformance::conformance_tests!(harness);
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn c26_listing() {
-        idem_conformance::scenarios::c26_listing(&harness().await).await;
-    }
 }
 
 mod system_clock {
@@ -48,9 +43,4 @@ mod system_clock {
     }
 
     idem_conformance::conformance_tests!(harness);
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn c26_listing() {
-        idem_conformance::scenarios::c26_listing(&harness().await).await;
-    }
 }

@@ -61,11 +61,6 @@ mod manual_clock {
     }
 
     idem_conformance::conformance_tests!(harness);
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn c26_listing() {
-        scenarios::c26_listing(&harness().await).await;
-    }
 }
 
 mod system_clock {
@@ -79,11 +74,6 @@ mod system_clock {
     }
 
     idem_conformance::conformance_tests!(harness);
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn c26_listing() {
-        scenarios::c26_listing(&harness().await).await;
-    }
 }
 
 /// The example's map with a compare-and-swap that is not atomic: it compares the version,

@@ -75,17 +75,6 @@ pub enum Backend {
     Sqlite,
 }
 
-/// Which stores list natively today. The others answer `Unsupported` to `list`, which the CLI
-/// reports as a usage error (exit code 2); their tests assert exactly that. Flip an entry when
-/// the store's native listing lands: its test then runs the listing flow instead.
-pub const LISTS: &[(Backend, bool)] = &[
-    (Backend::Redis, false),
-    (Backend::Cluster, false),
-    (Backend::Postgres, false),
-    (Backend::Dynamo, true),
-    (Backend::Sqlite, true),
-];
-
 /// The schema the PostgreSQL tests use (migrated by the first test; migrations are safe to run
 /// concurrently and again).
 const PG_SCHEMA: &str = "idem_cli_test";
@@ -97,16 +86,11 @@ pub struct Fixture {
     pub backend: Backend,
     pub store: Box<dyn IdempotencyStore>,
     pub url: String,
-    pub lists: bool,
     _dir: Option<tempfile::TempDir>,
 }
 
 /// The store of `backend`; `None` (the test returns) when its server is not there, outside CI.
 pub async fn fixture(backend: Backend) -> Option<Fixture> {
-    let lists = LISTS
-        .iter()
-        .find(|(b, _)| *b == backend)
-        .is_some_and(|(_, lists)| *lists);
     let (store, url, dir): (Box<dyn IdempotencyStore>, String, _) = match backend {
         Backend::Redis => {
             let url = servers::endpoint("redis", "IDEM_REDIS_URL", "redis://127.0.0.1:6379")?;
@@ -187,7 +171,6 @@ pub async fn fixture(backend: Backend) -> Option<Fixture> {
         backend,
         store,
         url,
-        lists,
         _dir: dir,
     })
 }

@@ -1,0 +1,158 @@
+//! `PostgresStore::list` beyond C26: listing one state among many reads the listing index, not
+//! the table (shown by `EXPLAIN (FORMAT JSON)`), and pages cross states without losing or
+//! repeating a record.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use idem_core::{IdempotencyStore, ListQuery, Namespace, Status};
+use idem_postgres::PostgresStore;
+use serde_json::Value;
+
+/// Every node of a plan, depth first.
+fn nodes<'a>(plan: &'a Value, out: &mut Vec<&'a Value>) {
+    out.push(plan);
+    if let Some(children) = plan.get("Plans").and_then(Value::as_array) {
+        for child in children {
+            nodes(child, out);
+        }
+    }
+}
+
+/// Inserts `count` records of `state` (ids `<prefix>00001`...) into `ns` behind the store's back.
+async fn insert(schema: &str, table: &str, ns: &str, state: &str, prefix: &str, count: i32) {
+    let admin = common::admin().await;
+    let (result, error) = match state {
+        "completed" => ("'\\x00'::bytea", "NULL"),
+        _ => ("NULL", "'declined'"),
+    };
+    admin
+        .execute(
+            &format!(
+                "INSERT INTO \"{schema}\".\"{table}\" (namespace, id, state, token, owner, \
+                 attempts, result, error, created_at, updated_at, expires_at) \
+                 SELECT $1::text, $2::text || lpad(g::text, 5, '0'), $3::text, g, 'w', 1, \
+                 {result}, {error}, now(), now(), now() + interval '1 day' \
+                 FROM generate_series(1, $4::integer) g"
+            ),
+            &[&ns, &prefix, &state, &count],
+        )
+        .await
+        .unwrap();
+}
+
+async fn store(table: &str) -> Option<(PostgresStore, String)> {
+    let schema = common::fresh_schema();
+    let store = common::store_with(common::config(&schema).with_table(table)).await?;
+    Some((store, schema))
+}
+
+#[tokio::test]
+async fn one_state_among_many_reads_the_listing_index_not_the_table() {
+    let Some((store, schema)) = store("big").await else {
+        return;
+    };
+    let ns = Namespace::new("orders").unwrap();
+    insert(&schema, "big", ns.as_str(), "completed", "c", 50_000).await;
+    insert(&schema, "big", ns.as_str(), "failed_terminal", "t", 20).await;
+    insert(&schema, "big", "other", "failed_terminal", "o", 5_000).await;
+    common::admin()
+        .await
+        .batch_execute(&format!("ANALYZE \"{schema}\".\"big\""))
+        .await
+        .unwrap();
+
+    let query = ListQuery::new(ns.clone()).with_statuses([Status::FailedTerminal]);
+    let plan: Value = serde_json::from_str(&store.explain_list(&query).await.unwrap()).unwrap();
+    let root = &plan[0]["Plan"];
+    let mut all = Vec::new();
+    nodes(root, &mut all);
+    let types: Vec<&str> = all
+        .iter()
+        .filter_map(|n| n.get("Node Type").and_then(Value::as_str))
+        .collect();
+    eprintln!("plan of the failed-terminal listing: {types:?}");
+    assert!(
+        !all.iter()
+            .any(|n| n.get("Node Type").and_then(Value::as_str) == Some("Seq Scan")),
+        "a sequential scan: {plan:#}"
+    );
+    assert!(
+        all.iter()
+            .any(|n| n.get("Index Name").and_then(Value::as_str) == Some("big_list_idx")),
+        "the listing index is not read: {plan:#}"
+    );
+
+    // Listing the big state is an ordered walk of the index too: each page stops at its limit.
+    let completed = ListQuery::new(ns.clone()).with_statuses([Status::Completed]);
+    let plan: Value =
+        serde_json::from_str(&store.explain_list(&completed).await.unwrap()).unwrap();
+    let mut all = Vec::new();
+    nodes(&plan[0]["Plan"], &mut all);
+    let types: Vec<&str> = all
+        .iter()
+        .filter_map(|n| n.get("Node Type").and_then(Value::as_str))
+        .collect();
+    eprintln!("plan of the completed listing: {types:?}");
+    assert!(
+        !types.contains(&"Seq Scan") && !types.contains(&"Sort"),
+        "{plan:#}"
+    );
+
+    // And the listing finds them, in pages.
+    let mut found = Vec::new();
+    let mut query = query.with_limit(8);
+    loop {
+        let page = store.list(&query).await.unwrap();
+        found.extend(page.records.iter().map(|r| r.key.id().to_owned()));
+        match page.next {
+            None => break,
+            next => query = query.with_cursor(next),
+        }
+    }
+    let want: Vec<String> = (1..=20).map(|i| format!("t{i:05}")).collect();
+    assert_eq!(found, want);
+}
+
+#[tokio::test]
+async fn pages_cross_states_without_losses_or_repeats() {
+    let Some((store, schema)) = store("mixed").await else {
+        return;
+    };
+    let ns = Namespace::new("mixed").unwrap();
+    insert(&schema, "mixed", ns.as_str(), "completed", "c", 23).await;
+    insert(&schema, "mixed", ns.as_str(), "failed_terminal", "t", 11).await;
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut query = ListQuery::new(ns.clone()).with_limit(5);
+    let mut pages = 0;
+    loop {
+        pages += 1;
+        let page = store.list(&query).await.unwrap();
+        assert!(page.records.len() <= 5);
+        for r in &page.records {
+            *seen.entry(r.key.id().to_owned()).or_default() += 1;
+        }
+        match page.next {
+            None => break,
+            next => query = query.with_cursor(next),
+        }
+    }
+    assert_eq!(seen.len(), 34, "{seen:?}");
+    assert!(seen.values().all(|&n| n == 1), "{seen:?}");
+    assert!(pages >= 7, "{pages}");
+    // Two statuses from two states, in small pages.
+    let mut query = ListQuery::new(ns)
+        .with_statuses([Status::FailedTerminal, Status::Completed])
+        .with_limit(4);
+    let mut count = 0;
+    loop {
+        let page = store.list(&query).await.unwrap();
+        count += page.records.len();
+        match page.next {
+            None => break,
+            next => query = query.with_cursor(next),
+        }
+    }
+    assert_eq!(count, 34);
+}
