@@ -1635,9 +1635,9 @@ fn c24_requests(h: &Harness, ns: &Namespace) -> Vec<AcquireRequest> {
 
 /// C24: batches give exactly the single-call outcomes, in order (a mixed batch of fresh,
 /// duplicate, busy, conflict, exhausted, failed, retried, released, invalid and repeated keys,
-/// then completions, failures and releases with live and stale leases); an oversized batch is
-/// refused before anything is written; and concurrent batches racing over the same keys still
-/// have one winner per key.
+/// then completions, failures and releases with live, stale, repeated and invalid items); an
+/// oversized batch of any kind is refused before anything is written; an empty batch answers
+/// nothing; and concurrent batches racing over the same keys still have one winner per key.
 pub async fn c24_batches_equal_singles(h: &Harness) {
     let store = h.store();
     let retention = h.config().retention;
@@ -1693,6 +1693,7 @@ pub async fn c24_batches_equal_singles(h: &Harness) {
         batch_leases.len() >= 3,
         "C24: the mix acquires fresh, retry, released and twice"
     );
+    let oversized_result = store.limits().max_result_len + 1;
     let stale = |lease: &Lease| Lease {
         token: FencingToken::new(lease.token.get().saturating_sub(1)),
         ..lease.clone()
@@ -1702,12 +1703,13 @@ pub async fn c24_batches_equal_singles(h: &Harness) {
             completion(&ls[0], "done"),
             completion(&ls[0], "done"),
             completion(&stale(&ls[1]), "zombie"),
+            // Invalid items: refused on their own, before anything is written for them.
+            idem_core::Completion::new(ls[2].clone(), vec![b'x'; oversized_result]),
         ];
-        let failures = vec![idem_core::Failure::new(
-            ls[1].clone(),
-            "boom",
-            FailureKind::Terminal,
-        )];
+        let failures = vec![
+            idem_core::Failure::new(ls[1].clone(), "boom", FailureKind::Terminal),
+            idem_core::Failure::new(ls[2].clone(), "NUL \0 inside", FailureKind::Retryable),
+        ];
         let releases = vec![ls[2].clone(), ls[2].clone(), stale(&ls[0])];
         (completions, failures, releases)
     };
@@ -1764,6 +1766,45 @@ pub async fn c24_batches_equal_singles(h: &Harness) {
         get(h, &over[0].key).await,
         None,
         "C24: an oversized batch writes nothing"
+    );
+
+    let live_key = h.key(&over_ns, "live");
+    let (live, _) = acquired(h, &request(h, &live_key, A)).await;
+    let before = get(h, &live_key).await;
+    let too_many_completions = vec![completion(&live, "done"); max + 1];
+    assert_invalid(
+        "C24 oversized complete_many",
+        store.complete_many(&too_many_completions, retention).await,
+        "batch",
+    );
+    let too_many_failures =
+        vec![idem_core::Failure::new(live.clone(), "boom", FailureKind::Terminal); max + 1];
+    assert_invalid(
+        "C24 oversized fail_many",
+        store.fail_many(&too_many_failures, retention).await,
+        "batch",
+    );
+    assert_invalid(
+        "C24 oversized release_many",
+        store.release_many(&vec![live.clone(); max + 1]).await,
+        "batch",
+    );
+    assert_unchanged(
+        "C24: an oversized finishing batch",
+        &before,
+        &get(h, &live_key).await,
+    );
+    // Empty batches: nothing to do, no error.
+    assert!(
+        store.acquire_many(&[]).await.is_ok_and(|v| v.is_empty()),
+        "C24: an empty acquire_many answers no outcomes"
+    );
+    assert!(
+        store
+            .complete_many(&[], retention)
+            .await
+            .is_ok_and(|v| v.is_empty()),
+        "C24: an empty complete_many answers no results"
     );
 
     // Concurrent batches over the same keys, in different orders: one winner per key.

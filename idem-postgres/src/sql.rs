@@ -97,7 +97,7 @@ pub(crate) const RECORD_COLUMNS: &str = "state, fingerprint, token, owner, attem
 
 /// A record is past retention when `expires_at <= now` (the reference machine's rule).
 /// `live(t, now)` is the SQL condition for "not past retention".
-fn live(alias: &str, now: &str) -> String {
+pub(crate) fn live(alias: &str, now: &str) -> String {
     format!("({alias}.expires_at IS NULL OR {alias}.expires_at > {now})")
 }
 
@@ -105,7 +105,7 @@ fn live(alias: &str, now: &str) -> String {
 /// fingerprint `fp` and attempt limit `max`, at `now`: the record is past retention, or (no
 /// fingerprint conflict, attempts below the limit, and the record is released, failed
 /// retryably, or in progress with an expired lease). Mirrors `idem_core::machine::acquire`.
-fn may_acquire(a: &str, fp: &str, now: &str, max: &str) -> String {
+pub(crate) fn may_acquire(a: &str, fp: &str, now: &str, max: &str) -> String {
     format!(
         "({a}.expires_at <= {now} OR (\
             ({a}.fingerprint IS NULL OR {fp} IS NULL OR {a}.fingerprint = {fp}) \

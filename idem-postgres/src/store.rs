@@ -9,13 +9,14 @@ use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use idem_core::machine::{self, AcquireDecision};
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Error, FailureKind, FencingToken, Fingerprint, IdempotencyKey,
-    IdempotencyStore, Lease, Limits, ListQuery, Page, Record, RecordState, Result, StateKind,
-    check_lease_ttl,
+    AcquireOutcome, AcquireRequest, Completion, Error, Failure, FailureKind, FencingToken,
+    Fingerprint, IdempotencyKey, IdempotencyStore, Lease, Limits, ListQuery, Page, Record,
+    RecordState, Result, StateKind, check_lease_ttl,
 };
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Statement};
 
+use crate::batch::BatchSql;
 use crate::config::PostgresConfig;
 use crate::error::{Contention, STORE, map_pg, map_pool, map_store_pg};
 use crate::schema::{
@@ -69,6 +70,8 @@ pub(crate) struct Inner {
     pub(crate) sql: Sql,
     /// The listing statement (see `list.rs`).
     pub(crate) list: Stmt,
+    /// The batch statements (`batch.rs`).
+    pub(crate) batch: BatchSql,
     pub(crate) config: PostgresConfig,
     /// `lock_timeout` value passed to acquire, in milliseconds.
     pub(crate) lock_timeout_ms: String,
@@ -123,11 +126,13 @@ impl PostgresStore {
             .map_err(|e| Error::backend(STORE, e))?;
         let names = Names::new(&config.schema, &config.table);
         let sql = Sql::new(&names);
+        let batch = BatchSql::new(&names);
         Ok(Self {
             inner: Arc::new(Inner {
                 pool,
                 sql,
                 list: crate::list::statement(&names),
+                batch,
                 names,
                 lock_timeout_ms: config.lock_timeout.as_millis().to_string(),
                 op_timeout: config.statement_timeout + Duration::from_secs(1),
@@ -295,7 +300,11 @@ impl PostgresStore {
 
     /// Runs one cached, prepared statement on a pooled connection, bounded by the client-side
     /// timeout. A connection that timed out or failed is dropped rather than returned to the pool.
-    pub(crate) async fn query(&self, stmt: &Stmt, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
+    pub(crate) async fn query(
+        &self,
+        stmt: &Stmt,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>> {
         let client = self.conn().await?;
         let run = async {
             let prepared: Statement = client.prepare_typed_cached(&stmt.sql, stmt.types).await?;
@@ -685,6 +694,30 @@ impl IdempotencyStore for PostgresStore {
         )
         .await
         .map(drop)
+    }
+
+    /// One statement per batch over parameter arrays (see the [crate docs](crate#batches)).
+    async fn acquire_many(&self, reqs: &[AcquireRequest]) -> Result<Vec<Result<AcquireOutcome>>> {
+        self.acquire_batch(reqs).await
+    }
+
+    /// One statement per batch over parameter arrays (see the [crate docs](crate#batches)).
+    async fn complete_many(
+        &self,
+        items: &[Completion],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        self.complete_batch(items, retention).await
+    }
+
+    /// One statement per batch over parameter arrays (see the [crate docs](crate#batches)).
+    async fn fail_many(&self, items: &[Failure], retention: Duration) -> Result<Vec<Result<()>>> {
+        self.fail_batch(items, retention).await
+    }
+
+    /// One statement per batch over parameter arrays (see the [crate docs](crate#batches)).
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Result<()>>> {
+        self.release_batch(leases).await
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>> {

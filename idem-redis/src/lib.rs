@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod batch;
 mod codec;
 mod config;
 mod conn;
@@ -13,6 +14,7 @@ mod store;
 pub mod fuzzing;
 mod writes;
 
+pub use batch::lua_batch_scripts;
 pub use config::{DEFAULT_PREFIX, RedisConfig};
 pub use scripts::{LuaScript, lua_scripts};
 pub use store::RedisStore;

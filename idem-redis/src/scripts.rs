@@ -17,7 +17,9 @@ const COMMON: &str = include_str!("lua/common.lua");
 #[non_exhaustive]
 pub struct LuaScript {
     /// The transition it implements: `acquire`, `extend`, `complete`, `fail`, `release`, `get`,
-    /// `delete` or `complete_with` (the transactional completion).
+    /// `delete` or `complete_with` (the transactional completion); or a batch of one
+    /// (`acquire_many`, `complete_many`, `fail_many`, `release_many`: see
+    /// [`lua_batch_scripts`](crate::lua_batch_scripts)).
     pub name: &'static str,
     /// The full source sent with `SCRIPT LOAD`.
     pub source: String,
@@ -54,6 +56,21 @@ pub(crate) struct Scripts {
 /// declares), then the shared prelude, then the body.
 fn build(name: &'static str, body: &str) -> LuaScript {
     let source = format!("#!lua\n{COMMON}\n{body}");
+    LuaScript {
+        name,
+        script: Script::new(&source),
+        source,
+    }
+}
+
+/// A batch script: the prelude, the single-key `body` wrapped as the function `one`, then the
+/// loop of `lua/batch.lua`, which calls `one` once per key, in order. The batch thus runs the
+/// very code of the single-key script.
+pub(crate) fn build_batch(name: &'static str, body: &str) -> LuaScript {
+    let source = format!(
+        "#!lua\n{COMMON}\nlocal function one(ARGV)\n{body}\nend\n{}",
+        include_str!("lua/batch.lua")
+    );
     LuaScript {
         name,
         script: Script::new(&source),

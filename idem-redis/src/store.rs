@@ -8,8 +8,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Error, FailureKind, IdempotencyKey, IdempotencyStore, Lease,
-    Limits, ListQuery, Page, Record, Result, TransactionalStore, check_lease_ttl,
+    AcquireOutcome, AcquireRequest, Completion, Error, Failure, FailureKind, IdempotencyKey,
+    IdempotencyStore, Lease, Limits, ListQuery, Page, Record, Result, TransactionalStore,
+    check_lease_ttl,
 };
 use redis::Value;
 use redis::aio::ConnectionManager;
@@ -130,7 +131,11 @@ impl RedisStore {
 
     /// A store over a connection just opened: the scripts are loaded on the server(s) first.
     async fn connected(conn: Conn, config: RedisConfig) -> Self {
-        let sources = lua_scripts().map(|s| s.source.as_str());
+        let sources: Vec<&str> = lua_scripts()
+            .into_iter()
+            .chain(crate::lua_batch_scripts())
+            .map(|s| s.source.as_str())
+            .collect();
         conn.preload(&sources, config.operation_timeout).await;
         Self::from_conn(conn, config)
     }
@@ -165,7 +170,7 @@ impl RedisStore {
 
     /// Runs one script on `key`. A script that found an undecodable record answers
     /// `IDEMCORRUPT <reason>`, which becomes [`Error::CorruptRecord`].
-    async fn run(&self, key: &[u8], call: &Call<'_>) -> Result<Value> {
+    pub(crate) async fn run(&self, key: &[u8], call: &Call<'_>) -> Result<Value> {
         let config = &self.inner.config;
         let result = self
             .inner
@@ -396,6 +401,31 @@ impl IdempotencyStore for RedisStore {
 
     async fn release(&self, lease: &Lease) -> Result<()> {
         self.fenced(&SCRIPTS.release, lease, |_| {}).await.map(drop)
+    }
+
+    /// One script call for the whole batch on one server, one per hash slot on a cluster (see
+    /// the [crate docs](crate#batches)).
+    async fn acquire_many(&self, reqs: &[AcquireRequest]) -> Result<Vec<Result<AcquireOutcome>>> {
+        self.acquire_batch(reqs).await
+    }
+
+    /// As [`acquire_many`](IdempotencyStore::acquire_many): one script call per batch (per slot).
+    async fn complete_many(
+        &self,
+        items: &[Completion],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        self.complete_batch(items, retention).await
+    }
+
+    /// As [`acquire_many`](IdempotencyStore::acquire_many): one script call per batch (per slot).
+    async fn fail_many(&self, items: &[Failure], retention: Duration) -> Result<Vec<Result<()>>> {
+        self.fail_batch(items, retention).await
+    }
+
+    /// As [`acquire_many`](IdempotencyStore::acquire_many): one script call per batch (per slot).
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Result<()>>> {
+        self.release_batch(leases).await
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>> {

@@ -1,0 +1,370 @@
+//! Batches: `acquire_many`, `complete_many`, `fail_many` and `release_many` in ONE script call
+//! per batch on one server, and one per hash slot on a Redis Cluster (those calls sent
+//! concurrently). See the crate docs, "Batches".
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use idem_core::{
+    AcquireOutcome, AcquireRequest, BoxError, Completion, Error, Failure, IdempotencyStore, Lease,
+    Result,
+};
+use redis::Value;
+use redis::cluster_routing::Slot;
+
+use crate::codec::{self, Fenced};
+use crate::conn::map_error;
+use crate::scripts::{LuaScript, build_batch};
+use crate::store::RedisStore;
+
+/// The batch scripts: each one the single-key script of the same transition, run once per key.
+struct BatchScripts {
+    acquire: LuaScript,
+    complete: LuaScript,
+    fail: LuaScript,
+    release: LuaScript,
+}
+
+static BATCH: LazyLock<BatchScripts> = LazyLock::new(|| BatchScripts {
+    acquire: build_batch("acquire_many", include_str!("lua/acquire.lua")),
+    complete: build_batch("complete_many", include_str!("lua/complete.lua")),
+    fail: build_batch("fail_many", include_str!("lua/fail.lua")),
+    release: build_batch("release_many", include_str!("lua/release.lua")),
+});
+
+/// The batch scripts: `acquire_many`, `complete_many`, `fail_many`, `release_many`. Each is the
+/// prelude, the single-key script of its transition wrapped as a function, and a loop that calls
+/// it once per key (`KEYS[i]`), in order (see the crate docs, "Batches"). Like
+/// [`lua_scripts`](crate::lua_scripts), for tools and operators: the store loads them itself.
+pub fn lua_batch_scripts() -> [&'static LuaScript; 4] {
+    let b = &*BATCH;
+    [&b.acquire, &b.complete, &b.fail, &b.release]
+}
+
+/// One checked item of a batch: its record's storage key and its script arguments (in the
+/// single script's order).
+struct Item {
+    key: Vec<u8>,
+    args: Vec<Vec<u8>>,
+}
+
+impl Item {
+    fn new(key: Vec<u8>) -> Self {
+        Self {
+            key,
+            args: Vec::new(),
+        }
+    }
+
+    fn arg(mut self, arg: impl redis::ToRedisArgs) -> Self {
+        self.args.extend(arg.to_redis_args());
+        self
+    }
+}
+
+impl RedisStore {
+    /// Runs `script` over the checked items: one call for all of them on one server, one call
+    /// per hash slot on a cluster (sent concurrently). Items that failed their checks keep their
+    /// error and are not sent. Returns each item's reply, or its error.
+    ///
+    /// When the only call (one server), or every call (a cluster), fails, that is the batch's
+    /// error. When some calls of a cluster batch fail and others answer, the items of a failed
+    /// call get its error (each a copy; the first keeps the original) and the others their
+    /// replies.
+    async fn run_batch(
+        &self,
+        script: &LuaScript,
+        per_item: usize,
+        items: Vec<Result<Item>>,
+    ) -> Result<Vec<Result<Value>>> {
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        if self.is_cluster() {
+            let mut by_slot: HashMap<Slot, usize> = HashMap::new();
+            for (i, item) in items.iter().enumerate() {
+                if let Ok(item) = item {
+                    let g = *by_slot.entry(Slot::for_key(&item.key)).or_insert_with(|| {
+                        groups.push(Vec::new());
+                        groups.len() - 1
+                    });
+                    groups[g].push(i);
+                }
+            }
+        } else {
+            let valid: Vec<usize> = (0..items.len()).filter(|&i| items[i].is_ok()).collect();
+            if !valid.is_empty() {
+                groups.push(valid);
+            }
+        }
+
+        let valid = |i: usize| match &items[i] {
+            Ok(item) => item,
+            Err(_) => unreachable!("groups hold only checked items"),
+        };
+        let calls: Vec<_> = groups
+            .iter()
+            .map(|group| {
+                let first = &valid(group[0]).key;
+                let mut call = script.call(first);
+                for &i in &group[1..] {
+                    call.key(&valid(i).key);
+                }
+                call.arg(per_item);
+                for &i in group {
+                    let item = valid(i);
+                    debug_assert_eq!(item.args.len(), per_item);
+                    for arg in &item.args {
+                        call.arg(arg.as_slice());
+                    }
+                }
+                (first.as_slice(), call)
+            })
+            .collect();
+        let replies =
+            futures::future::join_all(calls.iter().map(|(key, call)| self.run(key, call))).await;
+
+        if !replies.is_empty() && replies.iter().all(Result::is_err) {
+            let first = replies.into_iter().next().and_then(Result::err);
+            return Err(first.expect("a failed call"));
+        }
+        let mut out: Vec<Option<Result<Value>>> = Vec::with_capacity(items.len());
+        for item in items {
+            out.push(item.err().map(Err));
+        }
+        for (group, reply) in groups.iter().zip(replies) {
+            match reply {
+                Ok(Value::Array(values)) if values.len() == group.len() => {
+                    for (&i, value) in group.iter().zip(values) {
+                        out[i] = Some(Ok(value));
+                    }
+                }
+                Ok(other) => {
+                    let reason = format!(
+                        "a batch of {} keys answered {other:?}, not one reply per key",
+                        group.len()
+                    );
+                    for &i in group {
+                        out[i] = Some(Err(Error::backend(self.name(), reason.clone())));
+                    }
+                }
+                Err(e) => {
+                    for (&i, e) in group.iter().zip(spread(self.name(), e, group.len())) {
+                        out[i] = Some(Err(e));
+                    }
+                }
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|r| r.expect("every item has a result"))
+            .collect())
+    }
+
+    /// An item's own script error (`{-1, message}`, raised inside the batch and caught there):
+    /// a corrupt record, or another server error, mapped as a single call's error would be.
+    fn item_error(&self, key: &[u8], value: &Value) -> Option<Error> {
+        let Value::Array(parts) = value else {
+            return None;
+        };
+        if !matches!(parts.first(), Some(Value::Int(-1))) {
+            return None;
+        }
+        let message = match parts.get(1) {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(Value::SimpleString(s)) => s.clone(),
+            other => format!("{other:?}"),
+        };
+        if let Some(reason) = message.strip_prefix("IDEMCORRUPT ") {
+            return Some(Error::corrupt(
+                self.name(),
+                String::from_utf8_lossy(key),
+                reason,
+            ));
+        }
+        let (code, detail) = message
+            .split_once(' ')
+            .map_or((message.as_str(), None), |(c, d)| (c, Some(d.to_owned())));
+        Some(map_error(
+            self.name(),
+            redis::make_extension_error(code.to_owned(), detail),
+        ))
+    }
+
+    /// Decodes the reply of one fenced item: `Ok` when applied or replayed, else `LeaseLost`.
+    fn fenced_item(&self, key: &[u8], lease: &Lease, reply: Result<Value>) -> Result<()> {
+        let reply = reply?;
+        if let Some(e) = self.item_error(key, &reply) {
+            return Err(e);
+        }
+        match codec::fenced(&reply).map_err(|b| codec::corrupt(self.name(), key, b))? {
+            Fenced::Applied(_) => Ok(()),
+            Fenced::Lost(found) => Err(Error::lease_lost(lease, found)),
+            Fenced::Refused { index, reason } => Err(codec::corrupt(
+                self.name(),
+                key,
+                codec::Bad(format!(
+                    "a plain transition answered a write refusal ({index}: {reason})"
+                )),
+            )),
+        }
+    }
+
+    pub(crate) async fn acquire_batch(
+        &self,
+        reqs: &[AcquireRequest],
+    ) -> Result<Vec<Result<AcquireOutcome>>> {
+        self.limits().check_batch(reqs.len())?;
+        let items = reqs
+            .iter()
+            .map(|req| {
+                req.validate()?;
+                let fingerprint: &[u8] = match &req.fingerprint {
+                    Some(fp) => fp.as_bytes(),
+                    None => &[],
+                };
+                Ok(Item::new(self.storage_key(&req.key))
+                    .arg(req.owner.as_bytes())
+                    .arg(codec::millis(req.lease_ttl))
+                    .arg(req.max_attempts)
+                    .arg(fingerprint))
+            })
+            .collect();
+        let replies = self.run_batch(&BATCH.acquire, 4, items).await?;
+        Ok(reqs
+            .iter()
+            .zip(replies)
+            .map(|(req, reply)| {
+                let reply = reply?;
+                let key = self.storage_key(&req.key);
+                if let Some(e) = self.item_error(&key, &reply) {
+                    return Err(e);
+                }
+                codec::acquire_outcome(&reply, &req.key, &req.owner)
+                    .map_err(|b| codec::corrupt(self.name(), &key, b))
+            })
+            .collect())
+    }
+
+    pub(crate) async fn complete_batch(
+        &self,
+        items: &[Completion],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        let limits = self.limits();
+        limits.check_batch(items.len())?;
+        let checked = items
+            .iter()
+            .map(|c| {
+                limits.check_complete(&c.result, retention)?;
+                Ok(Item::new(self.storage_key(&c.lease.key))
+                    .arg(c.lease.token.get())
+                    .arg(c.result.as_ref())
+                    .arg(codec::millis(retention)))
+            })
+            .collect();
+        let replies = self.run_batch(&BATCH.complete, 3, checked).await?;
+        Ok(self.fenced_results(items.iter().map(|c| &c.lease), replies))
+    }
+
+    pub(crate) async fn fail_batch(
+        &self,
+        items: &[Failure],
+        retention: Duration,
+    ) -> Result<Vec<Result<()>>> {
+        let limits = self.limits();
+        limits.check_batch(items.len())?;
+        let checked = items
+            .iter()
+            .map(|f| {
+                limits.check_fail(&f.error, retention)?;
+                let state = codec::failed_state(f.kind).ok_or_else(|| {
+                    Error::invalid(
+                        "kind",
+                        format!(
+                            "failure kind {} is not supported by this version of idem-redis",
+                            f.kind
+                        ),
+                    )
+                })?;
+                Ok(Item::new(self.storage_key(&f.lease.key))
+                    .arg(f.lease.token.get())
+                    .arg(f.error.as_bytes())
+                    .arg(state)
+                    .arg(codec::millis(retention)))
+            })
+            .collect();
+        let replies = self.run_batch(&BATCH.fail, 4, checked).await?;
+        Ok(self.fenced_results(items.iter().map(|f| &f.lease), replies))
+    }
+
+    pub(crate) async fn release_batch(&self, leases: &[Lease]) -> Result<Vec<Result<()>>> {
+        self.limits().check_batch(leases.len())?;
+        let checked = leases
+            .iter()
+            .map(|l| Ok(Item::new(self.storage_key(&l.key)).arg(l.token.get())))
+            .collect();
+        let replies = self.run_batch(&BATCH.release, 1, checked).await?;
+        Ok(self.fenced_results(leases.iter(), replies))
+    }
+
+    fn fenced_results<'a>(
+        &self,
+        leases: impl Iterator<Item = &'a Lease>,
+        replies: Vec<Result<Value>>,
+    ) -> Vec<Result<()>> {
+        leases
+            .zip(replies)
+            .map(|(lease, reply)| self.fenced_item(&self.storage_key(&lease.key), lease, reply))
+            .collect()
+    }
+}
+
+/// `n` errors for the `n` items of one failed call: the original for the first, and for the
+/// others the same kind whose cause is the original's text (so each log line still tells what
+/// happened).
+fn spread(store: &'static str, e: Error, n: usize) -> Vec<Error> {
+    if n <= 1 {
+        return vec![e];
+    }
+    let (unavailable, text) = match &e {
+        Error::Unavailable { source, .. } => (true, chain(source.as_ref())),
+        Error::Backend { source, .. } => (false, chain(source.as_ref())),
+        other => (false, other.to_string()),
+    };
+    let shared = Shared(Arc::from(text));
+    let mut out = Vec::with_capacity(n);
+    out.push(e);
+    for _ in 1..n {
+        let source: BoxError = Box::new(shared.clone());
+        out.push(if unavailable {
+            Error::unavailable(store, source)
+        } else {
+            Error::backend(store, source)
+        });
+    }
+    out
+}
+
+/// An error and its causes, as one text.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
+/// The cause shared by the items of one failed call of a cluster batch.
+#[derive(Clone, Debug)]
+struct Shared(Arc<str>);
+
+impl std::fmt::Display for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Shared {}
