@@ -3,6 +3,7 @@
 mod batch;
 mod complete_with;
 mod config;
+mod drop;
 mod error;
 mod list;
 mod schema;
