@@ -21,7 +21,7 @@ use crate::store::RedisStore;
 
 /// On a cluster, how many slot groups of one batch are sent together (a wave); the next wave
 /// goes when the previous one answered.
-const MAX_CONCURRENT_CALLS: usize = 16;
+const MAX_CONCURRENT_CALLS: usize = 8;
 
 /// The batch scripts: each one the single-key script of the same transition, run once per key.
 struct BatchScripts {
