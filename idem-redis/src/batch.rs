@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
+use futures::future::join_all;
 use idem_core::{
     AcquireOutcome, AcquireRequest, BoxError, Completion, Error, Failure, IdempotencyStore, Lease,
     Result,
@@ -17,6 +18,10 @@ use crate::codec::{self, Fenced};
 use crate::conn::map_error;
 use crate::scripts::{LuaScript, build_batch};
 use crate::store::RedisStore;
+
+/// On a cluster, how many slot groups of one batch are sent together (a wave); the next wave
+/// goes when the previous one answered.
+const MAX_CONCURRENT_CALLS: usize = 8;
 
 /// The batch scripts: each one the single-key script of the same transition, run once per key.
 struct BatchScripts {
@@ -65,7 +70,7 @@ impl Item {
 
 impl RedisStore {
     /// Runs `script` over the checked items: one call for all of them on one server, one call
-    /// per hash slot on a cluster (sent concurrently). Items that failed their checks keep their
+    /// per hash slot on a cluster (sent concurrently, in waves of [`MAX_CONCURRENT_CALLS`]). Items that failed their checks keep their
     /// error and are not sent. Returns each item's reply, or its error.
     ///
     /// When the only call (one server), or every call (a cluster), fails, that is the batch's
@@ -120,8 +125,11 @@ impl RedisStore {
                 (first.as_slice(), call)
             })
             .collect();
-        let replies =
-            futures::future::join_all(calls.iter().map(|(key, call)| self.run(key, call))).await;
+        let mut replies: Vec<Result<Value>> = Vec::with_capacity(calls.len());
+        for wave in calls.chunks(MAX_CONCURRENT_CALLS) {
+            let answers = join_all(wave.iter().map(|(key, call)| self.run(key, call))).await;
+            replies.extend(answers);
+        }
 
         if !replies.is_empty() && replies.iter().all(Result::is_err) {
             let first = replies.into_iter().next().and_then(Result::err);

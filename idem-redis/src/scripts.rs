@@ -63,12 +63,14 @@ fn build(name: &'static str, body: &str) -> LuaScript {
     }
 }
 
-/// A batch script: the prelude, the single-key `body` wrapped as the function `one`, then the
-/// loop of `lua/batch.lua`, which calls `one` once per key, in order. The batch thus runs the
-/// very code of the single-key script.
+/// A batch script: the prelude, the batch clock (`lua/batch_clock.lua`: one `TIME` per call),
+/// the single-key `body` wrapped as the function `one`, then the loop of `lua/batch.lua`, which
+/// calls `one` once per key, in order. The batch thus runs the very code of the single-key
+/// script.
 pub(crate) fn build_batch(name: &'static str, body: &str) -> LuaScript {
     let source = format!(
-        "#!lua\n{COMMON}\nlocal function one(ARGV)\n{body}\nend\n{}",
+        "#!lua\n{COMMON}\n{}\nlocal function one(ARGV)\n{body}\nend\n{}",
+        include_str!("lua/batch_clock.lua"),
         include_str!("lua/batch.lua")
     );
     LuaScript {
