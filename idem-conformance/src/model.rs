@@ -303,13 +303,15 @@ fn acquire_step() -> impl Strategy<Value = Step> {
         1..=3u32,
         any::<bool>(),
     )
-        .prop_map(|(key, owner, fingerprint, max_attempts, short)| Step::Acquire {
-            key,
-            owner,
-            fingerprint,
-            max_attempts,
-            short,
-        })
+        .prop_map(
+            |(key, owner, fingerprint, max_attempts, short)| Step::Acquire {
+                key,
+                owner,
+                fingerprint,
+                max_attempts,
+                short,
+            },
+        )
 }
 
 /// The proptest strategy of one step.
