@@ -52,7 +52,7 @@ for t in "${targets[@]}"; do
   fi
   grep -E '^(#[0-9]+.*DONE|stat::number_of_executed_units|stat::new_units_added)' "$scratch/$t.log" || true
   if $merge; then
-    cargo +nightly fuzz run -O "$t" "fuzz/corpus/$t" "$scratch/$t" -- -merge=1 2>/dev/null
+    cargo +nightly fuzz run -O "$t" "fuzz/corpus/$t" "$scratch/$t" -- -merge=1 -set_cover_merge=1 2>/dev/null
     echo "merged: fuzz/corpus/$t now holds $(ls "fuzz/corpus/$t" | wc -l) inputs"
   fi
 done

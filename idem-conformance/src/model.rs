@@ -1,10 +1,11 @@
 //! Differential model tests: random histories run against a real store and against the
 //! reference state machine ([`idem_core::machine`]), comparing every outcome and every `get`.
 //!
-//! A history is a list of [`Step`]s over a few keys of a fresh namespace: acquires by several
-//! owners with mixed fingerprints, 1 to 3 attempts and short or long leases; `extend`,
-//! `complete`, `fail` and `release` on any lease acquired earlier in the history (live, stale or
-//! finished); `get`, `delete`; and waits that let every short lease expire. The model is a map of
+//! A history is a list of [`Step`]s over a few keys of a fresh namespace: acquires (alone or in
+//! `acquire_many` batches) by several owners with mixed fingerprints, 1 to 3 attempts and short
+//! or long leases; `extend`, `complete`, `fail` and `release` on any lease acquired earlier in
+//! the history (live, stale or finished); `get`, `delete`; and waits that let every short lease
+//! expire. The model is a map of
 //! [`Record`]s driven by the `machine` functions, the same ones [`MemoryStore`](idem_core::MemoryStore)
 //! runs under its lock.
 //!
@@ -203,6 +204,8 @@ pub enum Step {
         /// Which key.
         key: usize,
     },
+    /// `acquire_many` of these [`Step::Acquire`]s, in order (other steps in it are skipped).
+    AcquireMany(Vec<Step>),
     /// Let every short lease expire.
     Wait,
 }
@@ -253,6 +256,30 @@ impl fmt::Display for History {
                 Step::Get { key } => write!(f, "get key {:?}", KEYS[*key])?,
                 Step::Delete { key } => write!(f, "delete key {:?}", KEYS[*key])?,
                 Step::Wait => f.write_str("wait until every short lease expired")?,
+                Step::AcquireMany(items) => {
+                    f.write_str("acquire_many [")?;
+                    for (j, item) in items.iter().enumerate() {
+                        if let Step::Acquire {
+                            key,
+                            owner,
+                            fingerprint,
+                            max_attempts,
+                            short,
+                        } = item
+                        {
+                            write!(
+                                f,
+                                "{}key {:?} by {} fingerprint {} max_attempts {max_attempts} lease {}",
+                                if j > 0 { "; " } else { "" },
+                                KEYS[*key],
+                                OWNERS[*owner],
+                                fingerprint.map_or("none".to_owned(), |fp| format!("#{fp}")),
+                                if *short { "short" } else { "long" },
+                            )?;
+                        }
+                    }
+                    f.write_str("]")?;
+                }
             }
             writeln!(f)?;
         }
@@ -267,24 +294,32 @@ fn show_index(back: &usize) -> String {
     }
 }
 
-/// The proptest strategy of one step.
-pub fn step() -> impl Strategy<Value = Step> {
-    let key = 0..KEYS.len();
-    prop_oneof![
-        5 => (
-            key.clone(),
-            0..OWNERS.len(),
-            prop_oneof![2 => Just(Some(0u8)), 1 => Just(Some(1u8)), 1 => Just(None)],
-            1..=3u32,
-            any::<bool>(),
-        )
-            .prop_map(|(key, owner, fingerprint, max_attempts, short)| Step::Acquire {
+/// The proptest strategy of one [`Step::Acquire`].
+fn acquire_step() -> impl Strategy<Value = Step> {
+    (
+        0..KEYS.len(),
+        0..OWNERS.len(),
+        prop_oneof![2 => Just(Some(0u8)), 1 => Just(Some(1u8)), 1 => Just(None)],
+        1..=3u32,
+        any::<bool>(),
+    )
+        .prop_map(
+            |(key, owner, fingerprint, max_attempts, short)| Step::Acquire {
                 key,
                 owner,
                 fingerprint,
                 max_attempts,
                 short,
-            }),
+            },
+        )
+}
+
+/// The proptest strategy of one step.
+pub fn step() -> impl Strategy<Value = Step> {
+    let key = 0..KEYS.len();
+    prop_oneof![
+        5 => acquire_step(),
+        1 => proptest::collection::vec(acquire_step(), 1..=3).prop_map(Step::AcquireMany),
         1 => (0..LEASE_PICKS, any::<bool>()).prop_map(|(lease, short)| Step::Extend { lease, short }),
         2 => (0..LEASE_PICKS, 0..RESULTS.len())
             .prop_map(|(lease, result)| Step::Complete { lease, result }),
@@ -590,6 +625,26 @@ impl Run<'_> {
         }
     }
 
+    /// The request of a [`Step::Acquire`].
+    fn request(&self, step: &Step) -> Option<AcquireRequest> {
+        let Step::Acquire {
+            key,
+            owner,
+            fingerprint,
+            max_attempts,
+            short,
+        } = step
+        else {
+            return None;
+        };
+        Some(
+            AcquireRequest::new(self.keys[*key].clone(), OWNERS[*owner])
+                .with_fingerprint(fingerprint.map(|fp| Fingerprint::of([fp])))
+                .with_max_attempts(*max_attempts)
+                .with_lease_ttl(self.ttl(*short)),
+        )
+    }
+
     /// The lease `back` places before the latest (wrapping around when fewer were acquired).
     fn pick(&self, back: usize) -> Option<usize> {
         let n = self.leases.len();
@@ -599,18 +654,10 @@ impl Run<'_> {
     async fn step(&mut self, step: &Step) -> Result<(), String> {
         let store = self.shared.store.clone();
         match step {
-            Step::Acquire {
-                key,
-                owner,
-                fingerprint,
-                max_attempts,
-                short,
-            } => {
-                let key = self.keys[*key].clone();
-                let req = AcquireRequest::new(key.clone(), OWNERS[*owner])
-                    .with_fingerprint(fingerprint.map(|fp| Fingerprint::of([fp])))
-                    .with_max_attempts(*max_attempts)
-                    .with_lease_ttl(self.ttl(*short));
+            Step::Acquire { .. } => {
+                let Some(req) = self.request(step) else {
+                    return Ok(());
+                };
                 let before = self.now();
                 let got = store.acquire(&req).await;
                 let window = Window {
@@ -619,6 +666,33 @@ impl Run<'_> {
                 };
                 let got = got.map_err(|e| format!("acquire answered an error: {e}"))?;
                 self.acquire(&req, got, window)
+            }
+            Step::AcquireMany(items) => {
+                let reqs: Vec<AcquireRequest> =
+                    items.iter().filter_map(|item| self.request(item)).collect();
+                let before = self.now();
+                let got = store.acquire_many(&reqs).await;
+                let window = Window {
+                    before,
+                    after: self.now(),
+                };
+                let got = got.map_err(|e| format!("acquire_many answered an error: {e}"))?;
+                if got.len() != reqs.len() {
+                    return Err(format!(
+                        "acquire_many answered {} results for {} requests",
+                        got.len(),
+                        reqs.len()
+                    ));
+                }
+                let start = self.log.len();
+                for (j, (req, got)) in reqs.iter().zip(got).enumerate() {
+                    let got = got.map_err(|e| format!("acquire_many item {j}: an error: {e}"))?;
+                    self.acquire(req, got, window)
+                        .map_err(|why| format!("acquire_many item {j}: {why}"))?;
+                }
+                let lines = self.log.split_off(start);
+                self.log.push(format!("acquire_many: {}", lines.join("; ")));
+                Ok(())
             }
             Step::Extend { lease, short } => {
                 let Some(i) = self.pick(*lease) else {

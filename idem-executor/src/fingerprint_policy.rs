@@ -143,4 +143,24 @@ mod tests {
         assert_ne!(fp(&d), fp(&e));
         assert!(policy.compute(&RawMessage::new("not json")).is_err());
     }
+
+    /// Found by the `json_fingerprint` fuzz target: serde_json's default float parsing is fast
+    /// but not always correctly rounded, so `5555.5E57` was read as a double whose own shortest
+    /// text, `5.5555000000000005e60`, reads back as another double: the same payload
+    /// re-serialized got another fingerprint (a conflict with itself). Parsing is now exact
+    /// (serde_json's `float_roundtrip`).
+    #[test]
+    fn a_reserialized_number_fingerprints_alike() {
+        let policy = FingerprintPolicy::json_fields([""]);
+        let fp = |payload: &str| {
+            policy
+                .compute(&RawMessage::new(payload.to_owned()))
+                .unwrap()
+        };
+        for payload in ["5555.5E57", r#"{"a": [5555.5E57, 0.1, 1e-7]}"#] {
+            let value: Value = serde_json::from_str(payload).unwrap();
+            let again = serde_json::to_string(&value).unwrap();
+            assert_eq!(fp(payload), fp(&again), "{payload} and {again}");
+        }
+    }
 }
