@@ -14,7 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 seconds=${IDEM_FUZZ_SECONDS:-20}
-export CARGO_TARGET_DIR=${IDEM_FUZZ_TARGET_DIR:-$PWD/fuzz/target}
+# The fuzz build (nightly, sanitizers, release) is long from cold; its target dir lives in the
+# cache so that later runs, from any clone, only rebuild the idem crates.
+export CARGO_TARGET_DIR=${IDEM_FUZZ_TARGET_DIR:-${IDEM_CACHE_DIR:-$HOME/.cache/idem}/fuzz-target}
 merge=false
 if [ "${1:-}" = "--merge" ]; then
   merge=true
