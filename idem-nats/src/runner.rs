@@ -24,6 +24,10 @@ use crate::message::NatsMessage;
 use crate::options::{RunnerOptions, check_consumer};
 use crate::stats::{RunnerStats, metric_names as m};
 
+/// Longest wait for the server's confirmation of a double ack (as `async-nats`'s JetStream
+/// context waits by default): an ack lost in a disconnection fails after it, and the server
+/// redelivers the message after its ack deadline.
+const ACK_CONFIRM_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause between two tries of a dead-letter publication that failed.
 const DEAD_LETTER_RETRY: Duration = Duration::from_secs(1);
 
@@ -538,7 +542,7 @@ where
     }
 
     /// A double ack: `kind` sent as a request to the message's reply subject, then the server's
-    /// answer awaited (at most [`publish_timeout`](RunnerOptions::publish_timeout)). The request
+    /// answer awaited (at most 5 s). The request
     /// goes through the client's shared response inbox (one subscription for the connection),
     /// where `Acker::double_ack_with` subscribes and unsubscribes an inbox of its own per ack:
     /// the same confirmation, two protocol operations and a server-side interest change fewer.
@@ -548,7 +552,7 @@ where
         };
         let request = async_nats::Request::new()
             .payload(kind.into())
-            .timeout(Some(self.common.options.publish_timeout));
+            .timeout(Some(ACK_CONFIRM_TIMEOUT));
         self.common.client.send_request(reply, request).await?;
         Ok(())
     }
