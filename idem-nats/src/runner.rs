@@ -24,6 +24,10 @@ use crate::message::NatsMessage;
 use crate::options::{RunnerOptions, check_consumer};
 use crate::stats::{RunnerStats, metric_names as m};
 
+/// Longest wait for the server's confirmation of a double ack (as `async-nats`'s JetStream
+/// context waits by default): an ack lost in a disconnection fails after it, and the server
+/// redelivers the message after its ack deadline.
+const ACK_CONFIRM_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause between two tries of a dead-letter publication that failed.
 const DEAD_LETTER_RETRY: Duration = Duration::from_secs(1);
 
@@ -75,6 +79,8 @@ impl<H, T, C, R> std::fmt::Debug for NatsRunnerBuilder<H, T, C, R> {
 /// What every message task shares.
 struct Common<H, C, R> {
     execution: Execution<H, C, R>,
+    /// The connection: confirmed acks go through its shared request inbox.
+    client: async_nats::Client,
     jetstream: async_nats::jetstream::Context,
     stream: String,
     options: RunnerOptions,
@@ -365,7 +371,8 @@ where
             consumer: self.consumer,
             common: Arc::new(Common {
                 execution: Execution::new(self.executor, self.handler),
-                jetstream: async_nats::jetstream::new(self.client),
+                jetstream: async_nats::jetstream::new(self.client.clone()),
+                client: self.client,
                 stream: self.stream,
                 options: self.options,
                 stats: Arc::new(RunnerStats::default()),
@@ -396,6 +403,7 @@ async fn deliver<H, T, C, R>(
     let (sequence, delivered) = message
         .info()
         .map_or((0, 1), |i| (i.stream_sequence, i.delivered));
+    let reply = message.reply.clone();
     let (message, acker) = message.split();
     let msg = NatsMessage::from_parts(message, &common.stream, sequence, delivered);
     let span = tracing::debug_span!(
@@ -409,6 +417,7 @@ async fn deliver<H, T, C, R>(
     let settle = Settle {
         common: &common,
         acker: &acker,
+        reply,
         lost: &lost,
         max_deliver,
     };
@@ -422,6 +431,8 @@ async fn deliver<H, T, C, R>(
 struct Settle<'a, H, C, R> {
     common: &'a Common<H, C, R>,
     acker: &'a Acker,
+    /// The message's reply subject, where acks go.
+    reply: Option<async_nats::Subject>,
     lost: &'a CancellationToken,
     max_deliver: i64,
 }
@@ -520,7 +531,7 @@ where
     /// Sends an ack of `kind`; `confirmed`: waits for the server's confirmation (double ack).
     async fn send(&self, kind: AckKind, confirmed: bool) {
         let sent = if confirmed {
-            self.acker.double_ack_with(kind).await
+            self.confirmed(kind).await
         } else {
             self.acker.ack_with(kind).await
         };
@@ -528,6 +539,22 @@ where
             RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
             tracing::warn!(error = %e, "ack failed; the server redelivers the message after its ack deadline and the store replays it");
         }
+    }
+
+    /// A double ack: `kind` sent as a request to the message's reply subject, then the server's
+    /// answer awaited (at most 5 s). The request
+    /// goes through the client's shared response inbox (one subscription for the connection),
+    /// where `Acker::double_ack_with` subscribes and unsubscribes an inbox of its own per ack:
+    /// the same confirmation, two protocol operations and a server-side interest change fewer.
+    async fn confirmed(&self, kind: AckKind) -> Result<(), async_nats::Error> {
+        let Some(reply) = self.reply.clone() else {
+            return Err("no reply subject: not a JetStream message".into());
+        };
+        let request = async_nats::Request::new()
+            .payload(kind.into())
+            .timeout(Some(ACK_CONFIRM_TIMEOUT));
+        self.common.client.send_request(reply, request).await?;
+        Ok(())
     }
 
     /// Publishes to the dead-letter subject until a stream acknowledges it, then terminates the

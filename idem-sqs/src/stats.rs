@@ -113,7 +113,8 @@ impl RunnerStats {
     }
 
     /// Messages made visible again without being processed: the rest of a FIFO group after a
-    /// retry, and what a receive in flight at shutdown returned.
+    /// retry, what a receive in flight at shutdown returned, and the messages given up at the
+    /// drain timeout ([`abandoned`](Self::abandoned)).
     pub fn released(&self) -> u64 {
         Self::get(&self.released)
     }
