@@ -4,8 +4,8 @@ mod batch;
 mod codec;
 mod config;
 mod conn;
-mod list;
 mod drop;
+mod list;
 mod scripts;
 mod store;
 

@@ -4,7 +4,7 @@
 //! Needs RabbitMQ and Redis (`scripts/services.sh rabbitmq redis`):
 //!
 //! ```text
-//! cargo run -p idem-amqp --example amqp_consumer
+//! cargo run -p idem --features amqp,redis --example amqp_consumer
 //! ```
 //!
 //! `IDEM_AMQP_URL` and `IDEM_REDIS_URL` override the default addresses.
@@ -12,12 +12,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_amqp::lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
-use idem_amqp::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
-use idem_amqp::{AmqpMessage, AmqpRunner, QueueTopology, RunnerOptions};
-use idem_executor::{Executor, ExecutorConfig, HandlerContext, HandlerError};
-use idem_redis::{RedisConfig, RedisStore};
+use idem::amqp::lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
+use idem::amqp::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
+use idem::amqp::{AmqpMessage, AmqpRunner, QueueTopology, RunnerOptions};
+use idem::redis::{RedisConfig, RedisStore};
+use idem::{Executor, ExecutorConfig, HandlerContext, HandlerError};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -114,7 +114,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .headers()
             .clone()
             .unwrap_or_default();
-        let reason = match headers.inner().get(idem_amqp::HEADER_REASON) {
+        let reason = match headers.inner().get(idem::amqp::HEADER_REASON) {
             Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
             _ => "?".to_owned(),
         };

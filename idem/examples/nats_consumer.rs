@@ -4,7 +4,7 @@
 //! Needs NATS with JetStream and Redis (`scripts/services.sh nats redis`):
 //!
 //! ```text
-//! cargo run -p idem-nats --example nats_consumer
+//! cargo run -p idem --features nats,redis --example nats_consumer
 //! ```
 //!
 //! `IDEM_NATS_URL` and `IDEM_REDIS_URL` override the default addresses.
@@ -12,10 +12,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_executor::{Executor, ExecutorConfig, HandlerContext, HandlerError};
-use idem_nats::async_nats::{self, HeaderMap, jetstream};
-use idem_nats::{NatsMessage, NatsRunner, RunnerOptions};
-use idem_redis::{RedisConfig, RedisStore};
+use idem::nats::async_nats::{self, HeaderMap, jetstream};
+use idem::nats::{NatsMessage, NatsRunner, RunnerOptions};
+use idem::redis::{RedisConfig, RedisStore};
+use idem::{Executor, ExecutorConfig, HandlerContext, HandlerError};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -100,7 +100,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "dead letter: {} ({})",
         String::from_utf8_lossy(&dead.payload),
         dead.headers
-            .get(idem_nats::HEADER_REASON)
+            .get(idem::nats::HEADER_REASON)
             .map_or("?", |v| v.as_str())
     );
     js.delete_stream(&stream).await?;

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! scripts/services.sh localstack redis
-//! cargo run -p idem-sqs --example sqs_consumer
+//! cargo run -p idem --features sqs,redis --example sqs_consumer
 //! ```
 //!
 //! Endpoints: `IDEM_LOCALSTACK_ENDPOINT` (default `http://127.0.0.1:4566`; against AWS, build the
@@ -19,12 +19,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_executor::{Executor, ExecutorConfig, HandlerContext, HandlerError, KeySource};
-use idem_redis::RedisStore;
-use idem_sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
-use idem_sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
-use idem_sqs::aws_sdk_sqs::{self, Client};
-use idem_sqs::{ATTR_ERROR, ATTR_KEY, ATTR_REASON, RunnerOptions, SqsMessage, SqsRunner};
+use idem::redis::RedisStore;
+use idem::sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+use idem::sqs::aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
+use idem::sqs::aws_sdk_sqs::{self, Client};
+use idem::sqs::{ATTR_ERROR, ATTR_KEY, ATTR_REASON, RunnerOptions, SqsMessage, SqsRunner};
+use idem::{Executor, ExecutorConfig, HandlerContext, HandlerError, KeySource};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
