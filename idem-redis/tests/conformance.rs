@@ -108,7 +108,12 @@ mod standalone {
         )
     }
 
-    idem_conformance::conformance_tests!(harness);
+    /// C26 lists whole databases: it gets one of its own (see `common::LISTING_DB`).
+    async fn listing_harness() -> Option<Harness> {
+        Some(super::harness(common::standalone_listing().await?))
+    }
+
+    idem_conformance::conformance_tests!(harness, listing: listing_harness);
 }
 
 mod cluster {

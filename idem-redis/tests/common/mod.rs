@@ -45,6 +45,29 @@ pub fn config() -> RedisConfig {
     RedisConfig::default().with_prefix(random_prefix())
 }
 
+/// The logical database of the standalone server that C26 (listing) runs in. A listing SCANs
+/// every key of its database, and database 0 of a shared server holds whatever other tests,
+/// benches and earlier runs left there (with their retention): with a million such keys one
+/// listing outlasts the 600 ms age gap C26 relies on. Database 15 holds only C26's records.
+pub const LISTING_DB: i64 = 15;
+
+/// The standalone store for C26: same server as [`standalone`], database [`LISTING_DB`].
+pub async fn standalone_listing() -> Option<RedisStore> {
+    use redis::IntoConnectionInfo;
+
+    let url = servers::endpoint("redis", URL_VAR, DEFAULT_URL)?;
+    let info = url
+        .as_str()
+        .into_connection_info()
+        .expect("IDEM_REDIS_URL is a Redis URL");
+    let settings = info.redis_settings().clone().set_db(LISTING_DB);
+    let client = redis::Client::open(info.set_redis_settings(settings)).expect("Redis client");
+    let manager = redis::aio::ConnectionManager::new(client)
+        .await
+        .unwrap_or_else(|e| panic!("Redis at {url}, database {LISTING_DB}: {e}"));
+    Some(RedisStore::from_connection_manager(manager, config()))
+}
+
 /// The standalone store under test, with a fresh prefix; `None` (the test skips) when nothing
 /// answers at `IDEM_REDIS_URL` outside CI.
 pub async fn standalone() -> Option<RedisStore> {
