@@ -1,9 +1,10 @@
 //! Lists 100,000 records on every store and prints the time: `MemoryStore`, SQLite, Redis, a
 //! Redis Cluster, PostgreSQL and DynamoDB Local.
 //!
-//! `cargo bench -p idem-cli --bench list_bench` (`IDEM_LIST_BENCH_RECORDS` to change the count).
+//! `cargo bench -p idem-cli --bench list_bench` (`IDEM_LIST_BENCH_RECORDS` to change the count,
+//! `IDEM_LIST_BENCH_STORES=redis,postgres` to measure only some stores).
 //! Each store gets a namespace (and key prefix, schema or table) of its own, filled through the
-//! library in batches by 16 tasks at once (completed records, 4 minutes of retention), then listed in pages of
+//! library in batches by 16 tasks at once (4 on DynamoDB Local) (completed records, 4 minutes of retention), then listed in pages of
 //! `MAX_PAGE` records, every status, and once more for one state among many (the 100 terminal
 //! failures among them). A store whose server does not answer is skipped with one line (see
 //! `scripts/services.sh`). Afterwards the PostgreSQL schema and the DynamoDB table are dropped;
@@ -36,20 +37,20 @@ fn records() -> usize {
 }
 
 /// Fills `ns` with `count` records: all completed, but the last [`TERMINAL`] failed terminally.
-/// Sixteen tasks write batches at once.
-async fn fill(store: &DynStore, ns: &Namespace, count: usize) {
-    const TASKS: usize = 16;
+/// `tasks` tasks write batches at once.
+async fn fill(store: &DynStore, ns: &Namespace, count: usize, tasks: usize) {
+    assert!(tasks > 0, "at least one fill task");
+    let (tasks_n, mut tasks) = (tasks, tokio::task::JoinSet::new());
     let batch = store.limits().max_batch.min(100);
     let chunks: Vec<std::ops::Range<usize>> = (0..count)
         .step_by(batch)
         .map(|start| start..(start + batch).min(count))
         .collect();
     let chunks = Arc::new(chunks);
-    let mut tasks = tokio::task::JoinSet::new();
-    for task in 0..TASKS {
+    for task in 0..tasks_n {
         let (store, ns, chunks) = (store.clone(), ns.clone(), chunks.clone());
         tasks.spawn(async move {
-            for chunk in chunks.iter().skip(task).step_by(TASKS) {
+            for chunk in chunks.iter().skip(task).step_by(tasks_n) {
                 fill_chunk(&store, &ns, chunk.clone(), count).await;
             }
         });
@@ -105,10 +106,19 @@ async fn list_all(store: &DynStore, query: ListQuery) -> (usize, usize, Duration
     (records, pages, started.elapsed())
 }
 
-async fn bench(name: &str, store: DynStore, count: usize) {
+/// Whether the store named `name` is to be measured: all of them, or those named in
+/// `IDEM_LIST_BENCH_STORES` (comma-separated: memory, sqlite, redis, redis-cluster, postgres,
+/// dynamodb-local).
+fn wanted(name: &str) -> bool {
+    std::env::var("IDEM_LIST_BENCH_STORES")
+        .map(|list| list.split(',').any(|s| s.trim() == name))
+        .unwrap_or(true)
+}
+
+async fn bench(name: &str, store: DynStore, count: usize, tasks: usize) {
     let ns = Namespace::new(format!("bench-{}", uuid::Uuid::new_v4().simple())).unwrap();
     let started = Instant::now();
-    fill(&store, &ns, count).await;
+    fill(&store, &ns, count, tasks).await;
     let filled = started.elapsed();
     let (all, pages, took) =
         list_all(&store, ListQuery::new(ns.clone()).with_limit(MAX_PAGE)).await;
@@ -139,37 +149,45 @@ fn main() {
         let count = records();
         println!("listing {count} records per store (pages of {MAX_PAGE})");
 
-        bench("memory", Arc::new(MemoryStore::new()), count).await;
+        if wanted("memory") {
+            bench("memory", Arc::new(MemoryStore::new()), count, 16).await;
+        }
 
         let dir = tempfile::tempdir().unwrap();
         let options = SqliteOptions::default().with_synchronous(Synchronous::Normal);
         let sqlite = SqliteStore::open_with(dir.path().join("bench.db"), options)
             .await
             .unwrap();
-        bench("sqlite", Arc::new(sqlite), count).await;
+        if wanted("sqlite") {
+            bench("sqlite", Arc::new(sqlite), count, 16).await;
+        }
 
         let prefix = format!("idem-bench-{}:", uuid::Uuid::new_v4().simple());
-        if let Some(url) = servers::endpoint("redis", "IDEM_REDIS_URL", "redis://127.0.0.1:6379") {
+        if let Some(url) = servers::endpoint("redis", "IDEM_REDIS_URL", "redis://127.0.0.1:6379")
+            && wanted("redis")
+        {
             let config = RedisConfig::default().with_prefix(prefix.clone());
             let store = RedisStore::connect_with(&url, config).await.unwrap();
-            bench("redis", Arc::new(store), count).await;
+            bench("redis", Arc::new(store), count, 16).await;
         }
         if let Some(nodes) = servers::endpoint(
             "redis-cluster",
             "IDEM_REDIS_CLUSTER_NODES",
             "redis://127.0.0.1:7001,redis://127.0.0.1:7002,redis://127.0.0.1:7003",
-        ) {
+        ) && wanted("redis-cluster")
+        {
             let config = RedisConfig::default().with_prefix(prefix.clone());
             let store = RedisStore::connect_cluster_with(nodes.split(','), config)
                 .await
                 .unwrap();
-            bench("redis-cluster", Arc::new(store), count).await;
+            bench("redis-cluster", Arc::new(store), count, 16).await;
         }
         if let Some(url) = servers::endpoint(
             "postgres",
             "IDEM_POSTGRES_URL",
             "postgres://postgres@127.0.0.1:5432/test",
-        ) {
+        ) && wanted("postgres")
+        {
             let schema = format!("idem_bench_{}", uuid::Uuid::new_v4().simple());
             let config = PostgresConfig::new(&url)
                 .unwrap()
@@ -177,7 +195,7 @@ fn main() {
                 .with_pool_size(16);
             let store = PostgresStore::connect(config).await.unwrap();
             store.migrate().await.unwrap();
-            bench("postgres", Arc::new(store.clone()), count).await;
+            bench("postgres", Arc::new(store.clone()), count, 16).await;
             let client = store.pool().get().await.unwrap();
             client
                 .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
@@ -186,15 +204,19 @@ fn main() {
         }
         if let Some(endpoint) =
             servers::endpoint("dynamo", "IDEM_DYNAMO_ENDPOINT", "http://127.0.0.1:8000")
+            && wanted("dynamodb-local")
         {
             let table = format!("idem-bench-{}", uuid::Uuid::new_v4().simple());
             let config = DynamoConfig::new(&table)
                 .with_endpoint_url(endpoint)
                 .with_region("us-east-1")
-                .with_static_credentials("idemtest", "idemtest");
+                .with_static_credentials("idemtest", "idemtest")
+                // DynamoDB Local on a busy machine answers slowly under load.
+                .with_attempt_timeout(Duration::from_secs(20))
+                .with_operation_timeout(Duration::from_secs(60));
             let store = DynamoStore::connect(config).await.unwrap();
             store.create_table_if_missing().await.unwrap();
-            bench("dynamodb-local", Arc::new(store.clone()), count).await;
+            bench("dynamodb-local", Arc::new(store.clone()), count, 4).await;
             store
                 .client()
                 .delete_table()

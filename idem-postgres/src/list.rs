@@ -273,7 +273,10 @@ mod tests {
     fn each_status_comes_from_the_states_that_can_hold_it() {
         for status in Status::ALL {
             let q = ListQuery::new(Namespace::new("ns").unwrap()).with_statuses([status]);
-            let names: Vec<&str> = states(&q).iter().map(|&i| StateKind::ALL[i].name()).collect();
+            let names: Vec<&str> = states(&q)
+                .iter()
+                .map(|&i| StateKind::ALL[i].name())
+                .collect();
             let want: &[&str] = match status {
                 Status::InProgress | Status::LeaseExpired => &["in_progress"],
                 Status::Released => &["released"],

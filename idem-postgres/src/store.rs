@@ -295,7 +295,11 @@ impl PostgresStore {
 
     /// Runs one cached, prepared statement on a pooled connection, bounded by the client-side
     /// timeout. A connection that timed out or failed is dropped rather than returned to the pool.
-    pub(crate) async fn query(&self, stmt: &Stmt, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
+    pub(crate) async fn query(
+        &self,
+        stmt: &Stmt,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>> {
         let client = self.conn().await?;
         let run = async {
             let prepared: Statement = client.prepare_typed_cached(&stmt.sql, stmt.types).await?;

@@ -86,8 +86,7 @@ async fn one_state_among_many_reads_the_listing_index_not_the_table() {
 
     // Listing the big state is an ordered walk of the index too: each page stops at its limit.
     let completed = ListQuery::new(ns.clone()).with_statuses([Status::Completed]);
-    let plan: Value =
-        serde_json::from_str(&store.explain_list(&completed).await.unwrap()).unwrap();
+    let plan: Value = serde_json::from_str(&store.explain_list(&completed).await.unwrap()).unwrap();
     let mut all = Vec::new();
     nodes(&plan[0]["Plan"], &mut all);
     let types: Vec<&str> = all

@@ -1003,7 +1003,10 @@ async fn a_v1_table_is_upgraded_in_place() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(list_index, 1, "migrate adds the listing index to the old table");
+    assert_eq!(
+        list_index, 1,
+        "migrate adds the listing index to the old table"
+    );
     let validated: bool = admin
         .query_one(
             "SELECT convalidated FROM pg_constraint \

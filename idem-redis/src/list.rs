@@ -221,7 +221,8 @@ fn decode(
     storage_key: &[u8],
     entry: &Value,
 ) -> Result<Option<Record>> {
-    let corrupt = |reason: String| Error::corrupt(store, String::from_utf8_lossy(storage_key), reason);
+    let corrupt =
+        |reason: String| Error::corrupt(store, String::from_utf8_lossy(storage_key), reason);
     match entry {
         Value::Int(0) => Ok(None),
         Value::BulkString(why) => Err(corrupt(reason(&String::from_utf8_lossy(why)))),
@@ -235,8 +236,7 @@ fn decode(
                 .namespace
                 .key(id)
                 .map_err(|e| corrupt(format!("the key's id is not valid: {e}")))?;
-            codec::record(entry, &key)
-                .map_err(|codec::Bad(why)| corrupt(why))
+            codec::record(entry, &key).map_err(|codec::Bad(why)| corrupt(why))
         }
         other => Err(corrupt(format!("unexpected list entry {other:?}"))),
     }
@@ -244,7 +244,10 @@ fn decode(
 
 /// The reason in an `IDEMCORRUPT <reason>` entry.
 fn reason(entry: &str) -> String {
-    entry.strip_prefix("IDEMCORRUPT ").unwrap_or(entry).to_owned()
+    entry
+        .strip_prefix("IDEMCORRUPT ")
+        .unwrap_or(entry)
+        .to_owned()
 }
 
 type Step = (u64, SystemTime, Vec<(Vec<u8>, Value)>);
@@ -324,20 +327,23 @@ async fn nodes(conn: &Conn, config: &RedisConfig, sent: &AtomicU64) -> Result<(V
             return Err(bad(format!("{range:?}")));
         };
         match items.as_slice() {
-            [Value::Int(first), Value::Int(last), Value::Array(primary), ..] => {
-                match primary.as_slice() {
-                    [host, Value::Int(port), ..] => {
-                        let host = match host {
-                            Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
-                            Value::SimpleString(s) => s.clone(),
-                            other => return Err(bad(format!("host {other:?}"))),
-                        };
-                        let port = u16::try_from(*port).map_err(|_| bad(format!("port {port}")))?;
-                        slots.push((*first, *last, host, port));
-                    }
-                    other => return Err(bad(format!("node {other:?}"))),
+            [
+                Value::Int(first),
+                Value::Int(last),
+                Value::Array(primary),
+                ..,
+            ] => match primary.as_slice() {
+                [host, Value::Int(port), ..] => {
+                    let host = match host {
+                        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                        Value::SimpleString(s) => s.clone(),
+                        other => return Err(bad(format!("host {other:?}"))),
+                    };
+                    let port = u16::try_from(*port).map_err(|_| bad(format!("port {port}")))?;
+                    slots.push((*first, *last, host, port));
                 }
-            }
+                other => return Err(bad(format!("node {other:?}"))),
+            },
             other => return Err(bad(format!("range {other:?}"))),
         }
     }
@@ -378,8 +384,7 @@ async fn step(
     };
     let evalsha = command("EVALSHA", script.get_hash());
     let eval = command("EVAL", source);
-    let no_script =
-        |e: &RedisError| e.kind() == ErrorKind::Server(ServerErrorKind::NoScript);
+    let no_script = |e: &RedisError| e.kind() == ErrorKind::Server(ServerErrorKind::NoScript);
     let store = conn.name();
     let run = async {
         match (conn, node) {
@@ -417,9 +422,10 @@ async fn step(
                     other => other,
                 }
             }
-            (Conn::Cluster(_), Node::Single) => {
-                unreachable!("the nodes of a cluster are its primaries")
-            }
+            (Conn::Cluster(_), Node::Single) => Err(RedisError::from((
+                ErrorKind::Client,
+                "a cluster listing step without a primary's address",
+            ))),
         }
     };
     bounded(store, config.operation_timeout, run).await
@@ -449,10 +455,24 @@ mod tests {
         assert_eq!(Position::decode(&pos.encode()).unwrap(), pos);
         let plain = Position::start("");
         assert_eq!(Position::decode(&plain.encode()).unwrap(), plain);
-        for bad in ["", "r1", "r1..x.0", "r2..0.0", "r1..0.0.zz.00", "r1..0.0.ab.0", "r1.q.0.0"] {
+        for bad in [
+            "",
+            "r1",
+            "r1..x.0",
+            "r2..0.0",
+            "r1..0.0.zz.00",
+            "r1..0.0.ab.0",
+            "r1.q.0.0",
+        ] {
             let e = Position::decode(&Cursor::new(bad)).unwrap_err();
             assert!(
-                matches!(e, Error::InvalidInput { field: "cursor", .. }),
+                matches!(
+                    e,
+                    Error::InvalidInput {
+                        field: "cursor",
+                        ..
+                    }
+                ),
                 "{bad}: {e:?}"
             );
         }
@@ -463,7 +483,10 @@ mod tests {
         let reply = Value::Array(vec![
             Value::BulkString(b"17".to_vec()),
             Value::Int(1_700_000_000_000),
-            Value::Array(vec![Value::BulkString(b"idem:ns:a".to_vec()), Value::Int(0)]),
+            Value::Array(vec![
+                Value::BulkString(b"idem:ns:a".to_vec()),
+                Value::Int(0),
+            ]),
         ]);
         let (cursor, now, entries) = parse_step("redis", &reply).unwrap();
         assert_eq!(cursor, 17);

@@ -425,7 +425,13 @@ impl IdempotencyStore for RedisStore {
     /// [crate docs](crate#listing) for the cost (every key of every namespace is visited once
     /// per full listing), the cursor and what happens when the cluster changes meanwhile.
     async fn list(&self, query: &ListQuery) -> Result<Page> {
-        crate::list::list(&self.inner.conn, &self.inner.config, &self.inner.sent, query).await
+        crate::list::list(
+            &self.inner.conn,
+            &self.inner.config,
+            &self.inner.sent,
+            query,
+        )
+        .await
     }
 
     /// A no-op returning 0: every finished record carries its retention as the key's own expiry

@@ -111,7 +111,13 @@ async fn corrupt_values_and_bad_cursors(store: RedisStore) {
             .await
             .unwrap_err();
         assert!(
-            matches!(err, Error::InvalidInput { field: "cursor", .. }),
+            matches!(
+                err,
+                Error::InvalidInput {
+                    field: "cursor",
+                    ..
+                }
+            ),
             "{cursor:?}: {err:?}"
         );
     }
@@ -126,7 +132,13 @@ async fn corrupt_values_and_bad_cursors(store: RedisStore) {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::InvalidInput { field: "cursor", .. }),
+        matches!(
+            err,
+            Error::InvalidInput {
+                field: "cursor",
+                ..
+            }
+        ),
         "{err:?}"
     );
 }
