@@ -63,7 +63,7 @@ async fn fill(store: &DynStore, ns: &Namespace, count: usize, tasks: usize) {
 async fn fill_chunk(store: &DynStore, ns: &Namespace, chunk: std::ops::Range<usize>, count: usize) {
     let reqs: Vec<AcquireRequest> = chunk
         .clone()
-        .map(|i| AcquireRequest::new(ns.key(&format!("order-{i:07}")).unwrap(), "bench-worker"))
+        .map(|i| AcquireRequest::new(ns.key(format!("order-{i:07}")).unwrap(), "bench-worker"))
         .collect();
     let outcomes = store.acquire_many(&reqs).await.expect("acquire_many");
     let mut done = Vec::new();

@@ -5,10 +5,8 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::time::Duration;
 
-use idem_conformance::{Config, Harness};
 use idem_core::{
     AcquireOutcome, AcquireRequest, Bytes, Cursor, Error, IdempotencyStore, Lease, ListQuery,
     Namespace, Status,
