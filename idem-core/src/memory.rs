@@ -356,9 +356,11 @@ impl IdempotencyStore for MemoryStore {
     }
 
     /// Reads, in every shard, the ids of the namespace's records in the stored states the
-    /// query's statuses can come from (a per-shard index by namespace and state), so the
-    /// records looked at are those of the wanted states only ([`MemoryStore::records_examined`]
-    /// counts them); sorted by id, the cursor is the last id returned, hex-encoded.
+    /// query's statuses can come from (a per-shard index by namespace and state, in id order),
+    /// so the records looked at are those of the wanted states only, and in each shard and
+    /// state at most the page's limit plus one past the cursor that match
+    /// ([`MemoryStore::records_examined`] counts them); sorted by id, the cursor is the last id
+    /// returned, hex-encoded.
     async fn list(&self, query: &ListQuery) -> Result<Page> {
         query.validate()?;
         if !self.inner.available.load(Ordering::SeqCst) {
@@ -396,7 +398,12 @@ impl IdempotencyStore for MemoryStore {
                     Some(a) => std::ops::Bound::Excluded(a.clone()),
                     None => std::ops::Bound::Unbounded,
                 };
+                // Ids come in order: past `limit + 1` matches here, none can be on this page.
+                let mut taken = 0;
                 for id in ids.range((from, std::ops::Bound::Unbounded)) {
+                    if taken > query.limit {
+                        break;
+                    }
                     let Ok(key) = query.namespace.key(id) else {
                         continue;
                     };
@@ -406,6 +413,7 @@ impl IdempotencyStore for MemoryStore {
                     examined += 1;
                     if !record.is_expired(now) && query.matches(record, now) {
                         found.push(record.clone());
+                        taken += 1;
                     }
                 }
             }

@@ -74,12 +74,14 @@ async fn one_state_among_many_examines_only_that_state() {
     // the 5,000 completed records or the other namespace's 1,000.
     assert!(examined <= 3 * 11, "{examined} records examined");
 
-    // Every status at once reads the namespace's records, and only those.
+    // Every status at once, one page: the namespace's records only, and in each shard and state
+    // no more than the page needs (64 shards, 1,001 each at most).
     let before = store.records_examined();
     let page = store
         .list(&ListQuery::new(ns).with_limit(idem_core::MAX_PAGE))
         .await
         .unwrap();
     assert_eq!(page.records.len(), 1_000);
-    assert_eq!(store.records_examined() - before, 5_011);
+    let examined = store.records_examined() - before;
+    assert!(examined <= 5_011, "{examined}");
 }

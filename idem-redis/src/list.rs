@@ -422,9 +422,10 @@ async fn step(
                     other => other,
                 }
             }
-            (Conn::Cluster(_), Node::Single) => {
-                unreachable!("the nodes of a cluster are its primaries")
-            }
+            (Conn::Cluster(_), Node::Single) => Err(RedisError::from((
+                ErrorKind::Client,
+                "a cluster listing step without a primary's address",
+            ))),
         }
     };
     bounded(store, config.operation_timeout, run).await
