@@ -237,8 +237,10 @@ impl Record {
 #[non_exhaustive]
 pub struct Limits {
     /// Largest result accepted by [`complete`](crate::IdempotencyStore::complete), in bytes.
+    /// Default [`DEFAULT_MAX_RESULT_LEN`].
     pub max_result_len: usize,
     /// Largest error message accepted by [`fail`](crate::IdempotencyStore::fail), in bytes.
+    /// Default [`DEFAULT_MAX_ERROR_LEN`].
     pub max_error_len: usize,
     /// Most keys one batch call takes ([`acquire_many`](crate::IdempotencyStore::acquire_many)
     /// and the other `_many` calls). Default [`DEFAULT_MAX_BATCH`].

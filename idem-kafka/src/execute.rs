@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use idem_executor::{Codec, Executor, ExecutorError, Handler, Outcome};
+use idem_executor::{Codec, Executor, ExecutorError, Handler, Outcome, Plain, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
@@ -16,12 +16,12 @@ use crate::options::RunnerOptions;
 use crate::stats::{RunnerStats, metric_names as m};
 
 /// The executor and the handler of a runner, shared by its partition workers.
-pub(crate) struct Execution<H, C> {
-    executor: Executor<C>,
+pub(crate) struct Execution<H, C, R = Plain> {
+    executor: Executor<C, R>,
     handler: Arc<H>,
 }
 
-impl<H, C> Clone for Execution<H, C> {
+impl<H, C, R> Clone for Execution<H, C, R> {
     fn clone(&self) -> Self {
         Self {
             executor: self.executor.clone(),
@@ -45,8 +45,8 @@ pub(crate) enum Step<T> {
     Revoked,
 }
 
-impl<H, C: Codec> Execution<H, C> {
-    pub(crate) fn new(executor: Executor<C>, handler: H) -> Self {
+impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
+    pub(crate) fn new(executor: Executor<C, R>, handler: H) -> Self {
         Self {
             executor,
             handler: Arc::new(handler),
@@ -71,8 +71,9 @@ impl<H, C: Codec> Execution<H, C> {
         stats: &Arc<RunnerStats>,
     ) -> Step<T>
     where
-        H: Handler<KafkaMessage, T>,
+        H: Handler<KafkaMessage, R::Returns<T>>,
         T: Serialize + DeserializeOwned + Send + 'static,
+        R::Returns<T>: Send,
     {
         let attempt = Arc::new(AtomicU32::new(0));
         let released = CancellationToken::new();

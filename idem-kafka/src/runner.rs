@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use idem_executor::{Codec, Executor, Handler, JsonCodec};
+use idem_executor::{Codec, Executor, Handler, JsonCodec, Plain, Recorder};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::KafkaError;
@@ -46,15 +46,21 @@ const SHARED_PREFIXES: [&str; 6] = [
 /// Runs a handler over Kafka topics through an [`Executor`], committing offsets only for
 /// resolved records. See the [crate docs](crate) for the exact semantics.
 ///
+/// `R` is the executor's [`Recorder`]: [`Plain`] (the default; the handler returns its result
+/// `T`) or [`Transactional<S>`](idem_executor::Transactional) for an executor made by
+/// [`Executor::transactional`] (the handler returns a [`Commit`](idem_executor::Commit) of its
+/// result and the writes committed with it): see the
+/// [crate docs](crate#transactional-executors).
+///
 /// Build it with [`KafkaRunner::builder`], then [`run`](Self::run) it until a shutdown signal.
-pub struct KafkaRunner<H, T, C = JsonCodec> {
+pub struct KafkaRunner<H, T, C = JsonCodec, R = Plain> {
     consumer_config: ClientConfig,
     topics: Vec<String>,
-    common: Common<H, C>,
+    common: Common<H, C, R>,
     _result: PhantomData<fn() -> T>,
 }
 
-impl<H, T, C> std::fmt::Debug for KafkaRunner<H, T, C> {
+impl<H, T, C, R> std::fmt::Debug for KafkaRunner<H, T, C, R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KafkaRunner")
             .field("topics", &self.topics)
@@ -65,17 +71,17 @@ impl<H, T, C> std::fmt::Debug for KafkaRunner<H, T, C> {
 
 /// Builds a [`KafkaRunner`].
 #[must_use]
-pub struct KafkaRunnerBuilder<H, T, C = JsonCodec> {
+pub struct KafkaRunnerBuilder<H, T, C = JsonCodec, R = Plain> {
     consumer_config: ClientConfig,
     producer_config: Option<ClientConfig>,
     topics: Vec<String>,
     options: RunnerOptions,
-    executor: Executor<C>,
+    executor: Executor<C, R>,
     handler: H,
     _result: PhantomData<fn() -> T>,
 }
 
-impl<H, T, C> std::fmt::Debug for KafkaRunnerBuilder<H, T, C> {
+impl<H, T, C, R> std::fmt::Debug for KafkaRunnerBuilder<H, T, C, R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KafkaRunnerBuilder")
             .field("topics", &self.topics)
@@ -84,19 +90,21 @@ impl<H, T, C> std::fmt::Debug for KafkaRunnerBuilder<H, T, C> {
     }
 }
 
-impl<H, T, C> KafkaRunner<H, T, C>
+impl<H, T, C, R> KafkaRunner<H, T, C, R>
 where
-    H: Handler<KafkaMessage, T>,
+    H: Handler<KafkaMessage, R::Returns<T>>,
     T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send,
     C: Codec,
+    R: Recorder,
 {
     /// A builder over a consumer configuration (`bootstrap.servers` and `group.id` at least; the
     /// runner creates the consumer with its own context), the executor and the handler.
     pub fn builder(
         consumer_config: ClientConfig,
-        executor: Executor<C>,
+        executor: Executor<C, R>,
         handler: H,
-    ) -> KafkaRunnerBuilder<H, T, C> {
+    ) -> KafkaRunnerBuilder<H, T, C, R> {
         KafkaRunnerBuilder {
             consumer_config,
             producer_config: None,
@@ -197,11 +205,13 @@ where
     }
 }
 
-impl<H, T, C> KafkaRunnerBuilder<H, T, C>
+impl<H, T, C, R> KafkaRunnerBuilder<H, T, C, R>
 where
-    H: Handler<KafkaMessage, T>,
+    H: Handler<KafkaMessage, R::Returns<T>>,
     T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send,
     C: Codec,
+    R: Recorder,
 {
     /// Adds a topic to subscribe to (at least one is required). Regex subscriptions (`^...`)
     /// work as in rdkafka.
@@ -246,7 +256,7 @@ where
     /// # Errors
     /// [`RunnerError::Config`] naming the bad option or property (no topic, no `group.id`, ...),
     /// [`RunnerError::Kafka`] when the producer cannot be created.
-    pub fn build(self) -> Result<KafkaRunner<H, T, C>, RunnerError> {
+    pub fn build(self) -> Result<KafkaRunner<H, T, C, R>, RunnerError> {
         self.options.validate()?;
         if self.topics.is_empty() || self.topics.iter().any(String::is_empty) {
             return Err(RunnerError::config(
@@ -305,17 +315,19 @@ where
     }
 }
 
-struct Spawner<H, T, C> {
+struct Spawner<H, T, C, R> {
     handle: Handle,
-    common: Common<H, C>,
+    common: Common<H, C, R>,
     _result: PhantomData<fn() -> T>,
 }
 
-impl<H, T, C> SpawnWorker for Spawner<H, T, C>
+impl<H, T, C, R> SpawnWorker for Spawner<H, T, C, R>
 where
-    H: Handler<KafkaMessage, T>,
+    H: Handler<KafkaMessage, R::Returns<T>>,
     T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send,
     C: Codec,
+    R: Recorder,
 {
     fn spawn(&self, topic: &str, partition: i32) -> Slot {
         let flow = Arc::new(Mutex::new(Flow::new(
@@ -324,7 +336,7 @@ where
         let (records_tx, records_rx) = mpsc::unbounded_channel::<KafkaMessage>();
         let (exited_tx, exited_rx) = std::sync::mpsc::channel();
         let revoke = CancellationToken::new();
-        let worker = Worker::<H, T, C> {
+        let worker = Worker::<H, T, C, R> {
             common: self.common.clone(),
             flow: Arc::clone(&flow),
             records: records_rx,

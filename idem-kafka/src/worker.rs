@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
-use idem_executor::{BrokerAction, Codec, ExecutorError, Handler, Outcome};
+use idem_executor::{BrokerAction, Codec, ExecutorError, Handler, Outcome, Plain, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{Semaphore, mpsc};
@@ -18,9 +18,9 @@ use crate::options::RunnerOptions;
 use crate::stats::{RunnerStats, metric_names as m};
 
 /// Everything a worker shares with the other workers of its runner.
-pub(crate) struct Common<H, C> {
+pub(crate) struct Common<H, C, R = Plain> {
     /// The executor and the handler: every executor call goes through it.
-    pub(crate) execution: Execution<H, C>,
+    pub(crate) execution: Execution<H, C, R>,
     pub(crate) dead_letter: Arc<DeadLetterProducer>,
     pub(crate) in_flight: Arc<Semaphore>,
     pub(crate) options: Arc<RunnerOptions>,
@@ -29,7 +29,7 @@ pub(crate) struct Common<H, C> {
     pub(crate) drain: CancellationToken,
 }
 
-impl<H, C> Clone for Common<H, C> {
+impl<H, C, R> Clone for Common<H, C, R> {
     fn clone(&self) -> Self {
         Self {
             execution: self.execution.clone(),
@@ -42,8 +42,8 @@ impl<H, C> Clone for Common<H, C> {
     }
 }
 
-pub(crate) struct Worker<H, T, C> {
-    pub(crate) common: Common<H, C>,
+pub(crate) struct Worker<H, T, C, R = Plain> {
+    pub(crate) common: Common<H, C, R>,
     pub(crate) flow: Arc<Mutex<Flow>>,
     pub(crate) records: mpsc::UnboundedReceiver<KafkaMessage>,
     /// Cancelled when the partition is revoked (or the drain timed out): the record in process
@@ -68,11 +68,13 @@ enum Next {
     Abandoned,
 }
 
-impl<H, T, C> Worker<H, T, C>
+impl<H, T, C, R> Worker<H, T, C, R>
 where
-    H: Handler<KafkaMessage, T>,
+    H: Handler<KafkaMessage, R::Returns<T>>,
     T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send,
     C: Codec,
+    R: Recorder,
 {
     pub(crate) async fn run(mut self) {
         loop {

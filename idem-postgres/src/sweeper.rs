@@ -18,11 +18,11 @@ use crate::store::PostgresStore;
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct SweeperConfig {
-    /// Pause between sweeps.
+    /// Pause between sweeps. Default 60 s.
     pub interval: Duration,
-    /// Records deleted per statement.
+    /// Records deleted per statement. Default 1,000.
     pub batch: usize,
-    /// Most batches per sweep (bounds one sweep's work; the next sweep continues).
+    /// Most batches per sweep (bounds one sweep's work; the next sweep continues). Default 100.
     pub max_batches: usize,
 }
 

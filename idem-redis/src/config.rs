@@ -40,10 +40,10 @@ pub struct RedisConfig {
     /// retried (cluster), within [`operation_timeout`](Self::operation_timeout). A request that
     /// may have run (a response timeout, a dropped connection) is never re-sent. Default 2.
     pub retries: u32,
-    /// The largest result and error message accepted.
+    /// The largest result and error message accepted. Default [`Limits::default`].
     pub limits: Limits,
     /// PEM root certificates to trust for `rediss://` instead of the system's store (a private
-    /// CA). Feature `tls`.
+    /// CA). Feature `tls`. Default `None` (the system's store).
     #[cfg(feature = "tls")]
     pub tls_root_cert: Option<Vec<u8>>,
 }
