@@ -1,10 +1,13 @@
-//! The kit's own rules, on the worked example's backend (`examples/kit_memory.rs`) wrapped in a
+//! The kit's own rules, on the worked example's backend (`idem/examples/kit_memory.rs`) wrapped in a
 //! backend that counts calls and injects faults: what each call costs, lost replies recognised,
 //! conflicts bounded, tombstones keeping tokens rising, input checked before any call, foreign
 //! values refused, the backend's clock used, a missing scan.
 
+// The example is written against the facade (`idem::...`), which re-exports this crate.
+extern crate idem_core as idem;
+
 #[allow(dead_code, unreachable_pub)]
-#[path = "../examples/kit_memory.rs"]
+#[path = "../../idem/examples/kit_memory.rs"]
 mod kit_memory;
 
 use std::sync::Arc;

@@ -4,8 +4,11 @@
 //! Tokens differ between the two (the kit's follow the clock), so they are compared by what
 //! they mean: a lease is the current one or not.
 
+// The example is written against the facade (`idem::...`), which re-exports this crate.
+extern crate idem_core as idem;
+
 #[allow(dead_code, unreachable_pub)]
-#[path = "../examples/kit_memory.rs"]
+#[path = "../../idem/examples/kit_memory.rs"]
 mod kit_memory;
 
 use std::collections::HashMap;

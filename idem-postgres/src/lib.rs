@@ -2,6 +2,7 @@
 
 mod complete_with;
 mod config;
+mod drop;
 mod error;
 mod schema;
 mod sql;

@@ -153,6 +153,11 @@ impl RedisStore {
         &self.inner.config
     }
 
+    /// The connection and the request counter, for the operations of other modules.
+    pub(crate) fn conn_and_counter(&self) -> (&Conn, &AtomicU64) {
+        (&self.inner.conn, &self.inner.sent)
+    }
+
     /// Whether the store talks to a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
         matches!(self.inner.conn, Conn::Cluster(_))

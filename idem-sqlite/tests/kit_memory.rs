@@ -1,9 +1,12 @@
-//! The kit's worked example (`idem-core/examples/kit_memory.rs`, the in-memory map of
+//! The kit's worked example (`idem/examples/kit_memory.rs`, the in-memory map of
 //! `docs/custom-store.md`) through the whole conformance suite, and the proof that the suite
 //! catches a kit backend whose compare-and-swap is not atomic (C02 and C19 fail on it).
 
+// The example is written against the facade (`idem::...`), which re-exports `idem_core`.
+extern crate idem_core as idem;
+
 #[allow(dead_code, unreachable_pub)]
-#[path = "../../idem-core/examples/kit_memory.rs"]
+#[path = "../../idem/examples/kit_memory.rs"]
 mod kit_memory;
 
 use std::sync::Arc;
@@ -163,7 +166,7 @@ async fn a_compare_and_swap_that_is_not_atomic_fails_c02_and_c19() {
 fn the_guide_quotes_the_example_as_it_is() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let guide = std::fs::read_to_string(root.join("docs/custom-store.md")).unwrap();
-    let example = std::fs::read_to_string(root.join("idem-core/examples/kit_memory.rs")).unwrap();
+    let example = std::fs::read_to_string(root.join("idem/examples/kit_memory.rs")).unwrap();
     let section = guide
         .split_once("## Worked example: the kit")
         .expect("the guide's kit section")
@@ -179,6 +182,6 @@ fn the_guide_quotes_the_example_as_it_is() {
     );
     assert!(
         example.contains(quoted),
-        "docs/custom-store.md quotes idem-core/examples/kit_memory.rs: update the quote"
+        "docs/custom-store.md quotes idem/examples/kit_memory.rs: update the quote"
     );
 }

@@ -18,7 +18,7 @@
 //! ```
 //!
 //! The guide `docs/custom-store.md` walks through a whole example (the in-memory map of
-//! `idem-core/examples/kit_memory.rs`) and tells when to write the full trait instead.
+//! `idem/examples/kit_memory.rs`) and tells when to write the full trait instead.
 //!
 //! # What the backend promises
 //!

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! scripts/services.sh kafka redis
-//! cargo run -p idem-kafka --example kafka_consumer
+//! cargo run -p idem --features kafka,redis --example kafka_consumer
 //! ```
 //!
 //! Endpoints: `IDEM_KAFKA_BROKERS` (default `127.0.0.1:9092`), `IDEM_REDIS_URL` (default
@@ -18,15 +18,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem_executor::{Executor, ExecutorConfig, HandlerContext, HandlerError};
-use idem_kafka::rdkafka::ClientConfig;
-use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use idem_kafka::rdkafka::client::DefaultClientContext;
-use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
-use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem_kafka::rdkafka::types::RDKafkaErrorCode;
-use idem_kafka::{DeadLetterTopic, KafkaMessage, KafkaRunner, RunnerOptions};
-use idem_redis::RedisStore;
+use idem::kafka::rdkafka::ClientConfig;
+use idem::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idem::kafka::rdkafka::client::DefaultClientContext;
+use idem::kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idem::kafka::rdkafka::types::RDKafkaErrorCode;
+use idem::kafka::{DeadLetterTopic, KafkaMessage, KafkaRunner, RunnerOptions};
+use idem::redis::RedisStore;
+use idem::{Executor, ExecutorConfig, HandlerContext, HandlerError};
 use serde::{Deserialize, Serialize};
 
 const TOPIC: &str = "idem-example-payments";

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! scripts/services.sh dynamo          # DynamoDB Local on 127.0.0.1:8000
-//! cargo run -p idem-dynamo --example dynamo
+//! cargo run -p idem --features dynamo --example dynamo
 //! ```
 //!
 //! `IDEM_DYNAMO_ENDPOINT` points it elsewhere (LocalStack: `http://localhost:4566`). Against
@@ -11,8 +11,8 @@
 
 use std::time::Duration;
 
-use idem_core::{AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace};
-use idem_dynamo::{DynamoConfig, DynamoStore};
+use idem::dynamo::{DynamoConfig, DynamoStore};
+use idem::{AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -2,16 +2,16 @@
 //! second finds them completed in the database file and replays the stored receipts instead of
 //! charging again.
 //!
-//! `cargo run -p idem-sqlite --example sqlite [path]` (default: `idem-example.db` in the
+//! `cargo run -p idem --features sqlite --example sqlite [path]` (default: `idem-example.db` in the
 //! system's temporary directory; delete the file to start over).
 
 use std::time::Duration;
 
-use idem_core::{AcquireOutcome, AcquireRequest, Bytes, IdempotencyStore, Namespace};
-use idem_sqlite::SqliteStore;
+use idem::sqlite::SqliteStore;
+use idem::{AcquireOutcome, AcquireRequest, Bytes, IdempotencyStore, Namespace};
 
 #[tokio::main]
-async fn main() -> idem_core::Result<()> {
+async fn main() -> idem::Result<()> {
     let path = std::env::args()
         .nth(1)
         .map(Into::into)

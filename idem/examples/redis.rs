@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! scripts/services.sh redis        # a local Redis on 127.0.0.1:6379
-//! cargo run -p idem-redis --example redis [redis://127.0.0.1:6379]
+//! cargo run -p idem --features redis --example redis [redis://127.0.0.1:6379]
 //! ```
 //!
 //! Delivers the same message three times; the work runs once and the duplicates get the stored
@@ -10,8 +10,8 @@
 
 use std::time::Duration;
 
-use idem_core::{AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace};
-use idem_redis::{RedisConfig, RedisStore};
+use idem::redis::{RedisConfig, RedisStore};
+use idem::{AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

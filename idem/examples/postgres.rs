@@ -4,17 +4,17 @@
 //!
 //! ```text
 //! scripts/services.sh postgres
-//! IDEM_POSTGRES_URL=postgres://postgres@127.0.0.1:5432/test cargo run -p idem-postgres --example postgres
+//! IDEM_POSTGRES_URL=postgres://postgres@127.0.0.1:5432/test cargo run -p idem --features postgres --example postgres
 //! ```
 
 use std::time::Duration;
 
-use idem_core::{
+use idem::postgres::{PgWrites, PostgresConfig, PostgresStore, SweeperConfig};
+use idem::{
     AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyStore, Namespace,
     TransactionalStore,
 };
-use idem_executor::{ExecutorConfig, HandlerError, Outcome, RawMessage};
-use idem_postgres::{PgWrites, PostgresConfig, PostgresStore, SweeperConfig};
+use idem::{ExecutorConfig, HandlerError, Outcome, RawMessage};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

@@ -2,7 +2,7 @@
 //! kit makes of it. The worked example of `docs/custom-store.md`; `idem-sqlite`'s tests run the
 //! whole conformance suite on it.
 //!
-//! Run it with `cargo run -p idem-core --example kit_memory`.
+//! Run it with `cargo run -p idem --example kit_memory`.
 
 use std::collections::BTreeMap;
 use std::ops::Bound;
@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem_core::kit::{Cas, CasBackend, KitStore, Scanned, Versioned};
-use idem_core::{AcquireOutcome, AcquireRequest, Bytes, IdempotencyStore, Namespace, Result};
+use idem::kit::{Cas, CasBackend, KitStore, Scanned, Versioned};
+use idem::{AcquireOutcome, AcquireRequest, Bytes, IdempotencyStore, Namespace, Result};
 
 /// Values and their versions in a sorted map. Every method holds the lock for its whole
 /// compare-and-swap, which is what makes it atomic.
