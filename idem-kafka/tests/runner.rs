@@ -687,7 +687,12 @@ async fn shutdown_drains_the_record_in_process_and_commits_what_finished() {
         make_handler(true),
     )
     .topic(&topic)
-    .options(fast_options().with_commit_interval(Duration::from_secs(60)))
+    // One record per batch, so that exactly one is in process at the shutdown.
+    .options(
+        fast_options()
+            .with_commit_interval(Duration::from_secs(60))
+            .with_max_batch(1),
+    )
     .build()
     .unwrap();
     let stats = runner.stats();
