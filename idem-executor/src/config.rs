@@ -113,6 +113,61 @@ impl Default for InProgressWait {
     }
 }
 
+/// Default handlers run at once by [`Executor::run_batch`](crate::Executor::run_batch): 64.
+pub const DEFAULT_BATCH_CONCURRENCY: usize = 64;
+
+/// How [`Executor::run_batch`](crate::Executor::run_batch) runs a batch: how many handlers run at
+/// once, and how completions and failures are grouped into
+/// [`complete_many`](idem_core::IdempotencyStore::complete_many) and
+/// [`fail_many`](idem_core::IdempotencyStore::fail_many) calls.
+///
+/// Records are grouped as commits are in a database log: a record is sent with whatever else
+/// is waiting as soon as the previous group came back, up to `record_batch` records per call;
+/// a non-zero `record_window` first waits that long for more before sending a group smaller than
+/// `record_batch` (larger groups, later answers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchConfig {
+    /// Handlers running at once, at least 1 (default [`DEFAULT_BATCH_CONCURRENCY`], 64).
+    pub concurrency: usize,
+    /// Largest group of records in one store call, from 1 to the store's
+    /// [`max_batch`](idem_core::Limits::max_batch) (default `None`: the store's `max_batch`).
+    pub record_batch: Option<usize>,
+    /// How long a group smaller than `record_batch` waits for more (default zero: sent as soon
+    /// as the previous group came back).
+    pub record_window: Duration,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        Self {
+            concurrency: DEFAULT_BATCH_CONCURRENCY,
+            record_batch: None,
+            record_window: Duration::ZERO,
+        }
+    }
+}
+
+impl BatchConfig {
+    /// Sets how many handlers run at once.
+    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// Sets the largest group of records in one store call.
+    pub fn with_record_batch(mut self, len: usize) -> Self {
+        self.record_batch = Some(len);
+        self
+    }
+
+    /// Sets how long a small group waits for more records.
+    pub fn with_record_window(mut self, window: Duration) -> Self {
+        self.record_window = window;
+        self
+    }
+}
+
 impl InProgressWait {
     /// Sets the longest total wait.
     pub fn with_max_wait(mut self, max_wait: Duration) -> Self {
@@ -192,6 +247,9 @@ pub struct ExecutorConfig {
     /// handler's writes fails (default [`EffectRefusedPolicy::Retryable`]). Plain executors send
     /// no writes and ignore it.
     pub effect_refused: EffectRefusedPolicy,
+    /// How [`Executor::run_batch`](crate::Executor::run_batch) runs a batch (default
+    /// [`BatchConfig::default`]).
+    pub batch: BatchConfig,
 }
 
 impl Default for ExecutorConfig {
@@ -213,6 +271,7 @@ impl Default for ExecutorConfig {
             store_errors: StoreErrorPolicy::default(),
             in_progress_wait: None,
             effect_refused: EffectRefusedPolicy::default(),
+            batch: BatchConfig::default(),
         }
     }
 }
@@ -292,6 +351,12 @@ impl ExecutorConfig {
     /// Sets the store-error policy.
     pub fn with_store_errors(mut self, policy: StoreErrorPolicy) -> Self {
         self.store_errors = policy;
+        self
+    }
+
+    /// Sets how [`Executor::run_batch`](crate::Executor::run_batch) runs a batch.
+    pub fn with_batch(mut self, batch: BatchConfig) -> Self {
+        self.batch = batch;
         self
     }
 
@@ -375,7 +440,24 @@ impl ExecutorConfig {
                 ),
             ));
         }
+        if self.batch.concurrency == 0 {
+            return Err(ConfigError::new("batch", "concurrency must be at least 1"));
+        }
+        let record_batch = match self.batch.record_batch {
+            None => limits.max_batch.max(1),
+            Some(len) if len == 0 || len > limits.max_batch => {
+                return Err(ConfigError::new(
+                    "batch",
+                    format!(
+                        "record_batch is {len}; it must be from 1 to the store's max_batch ({})",
+                        limits.max_batch
+                    ),
+                ));
+            }
+            Some(len) => len,
+        };
         Ok(Validated {
+            record_batch,
             namespace,
             owner,
             heartbeat,
@@ -393,6 +475,7 @@ pub(crate) struct Validated {
     pub(crate) heartbeat: Duration,
     pub(crate) max_result_len: usize,
     pub(crate) max_error_len: usize,
+    pub(crate) record_batch: usize,
 }
 
 fn default_owner() -> String {

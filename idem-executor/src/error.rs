@@ -145,3 +145,19 @@ impl ExecutorError {
         )
     }
 }
+
+/// Why [`Executor::run_batch`](crate::Executor::run_batch) refused a whole batch. Nothing was
+/// sent to the store and no handler ran.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BatchError {
+    /// The batch holds more messages than the store takes in one call
+    /// ([`Limits::max_batch`](idem_core::Limits::max_batch)): split it.
+    #[error("a batch of {len} messages is over the store's limit of {max}")]
+    TooLarge {
+        /// Messages in the batch.
+        len: usize,
+        /// The store's [`max_batch`](idem_core::Limits::max_batch).
+        max: usize,
+    },
+}

@@ -25,12 +25,13 @@ use metrics::SharedString;
 
 pub use codec::{Codec, JsonCodec};
 pub use config::{
-    ConfigError, DEFAULT_LEASE_TTL, DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION, DEFAULT_RETRY_DELAY,
-    EffectRefusedPolicy, ExecutorConfig, InProgressWait, MissingKeyPolicy, StoreErrorPolicy,
+    BatchConfig, ConfigError, DEFAULT_BATCH_CONCURRENCY, DEFAULT_LEASE_TTL, DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_RETENTION, DEFAULT_RETRY_DELAY, EffectRefusedPolicy, ExecutorConfig, InProgressWait,
+    MissingKeyPolicy, StoreErrorPolicy,
 };
 pub use context::{HandlerContext, HandlerError};
 pub use dead_letter::{DeadLetter, DeadLetterReason};
-pub use error::{ExecutorError, StoreStage};
+pub use error::{BatchError, ExecutorError, StoreStage};
 pub use fingerprint_policy::FingerprintPolicy;
 pub use handler::Handler;
 pub use key_source::{COMPOSITE_SEPARATOR, DEFAULT_KEY_HEADER, KeySource};
@@ -70,6 +71,7 @@ struct Inner<C, R> {
     heartbeat: Duration,
     max_result_len: usize,
     max_error_len: usize,
+    record_batch: usize,
     codec: C,
     dead_letter: Option<DeadLetterHook>,
     counters: metric_names::Counters,
@@ -273,6 +275,7 @@ impl<C: Codec, R: Recorder> ExecutorBuilder<C, R> {
                 heartbeat: v.heartbeat,
                 max_result_len: v.max_result_len,
                 max_error_len: v.max_error_len,
+                record_batch: v.record_batch,
                 codec: self.codec,
                 dead_letter: self.dead_letter,
                 counters: metric_names::Counters::new(&ns_label),

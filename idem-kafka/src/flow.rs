@@ -7,7 +7,7 @@
 /// The flow state of one assigned partition.
 #[derive(Debug)]
 pub(crate) struct Flow {
-    /// Records dispatched to the worker and not yet taken.
+    /// Records dispatched to the worker and not yet resolved (waiting, or in process).
     buffered: usize,
     /// Pause the partition when this many records are buffered; resume at half.
     max_buffered: usize,
@@ -54,8 +54,8 @@ impl Flow {
         true
     }
 
-    /// The worker took a record out of the buffer.
-    pub(crate) fn taken(&mut self) {
+    /// A record left the buffer: resolved, so it needs no more room.
+    fn released(&mut self) {
         self.buffered = self.buffered.saturating_sub(1);
         if self.buffer_full && self.buffered <= self.max_buffered / 2 {
             self.buffer_full = false;
@@ -93,6 +93,7 @@ impl Flow {
             self.done
         );
         self.done = Some(offset + 1);
+        self.released();
     }
 
     /// The offset to commit, when it moved on since the last commit.
@@ -115,7 +116,7 @@ impl Flow {
         }
     }
 
-    /// Records dispatched and not taken yet.
+    /// Records dispatched and not resolved yet.
     pub(crate) fn buffered(&self) -> usize {
         self.buffered
     }
@@ -135,9 +136,9 @@ mod tests {
         assert!(flow.dispatched(3));
         assert_eq!(flow.pause_change(), Some(true));
         flow.set_paused(true);
-        flow.taken();
+        flow.resolved(0);
         assert_eq!(flow.pause_change(), None, "3 buffered: still above half");
-        flow.taken();
+        flow.resolved(1);
         assert_eq!(flow.pause_change(), Some(false), "2 buffered: resume");
         flow.set_paused(false);
         assert_eq!(flow.pause_change(), None);
@@ -147,7 +148,6 @@ mod tests {
     fn retry_wait_pauses_until_it_ends() {
         let mut flow = Flow::new(10);
         assert!(flow.dispatched(7));
-        flow.taken();
         flow.set_retry_wait(true);
         assert_eq!(flow.pause_change(), Some(true));
         flow.set_paused(true);

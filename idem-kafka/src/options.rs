@@ -21,26 +21,39 @@ use crate::error::RunnerError;
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct RunnerOptions {
-    /// Records processed at once across all partitions (default 16). Within a partition records
-    /// are always processed one at a time, in offset order.
+    /// Executor batches processed at once across all partitions (default 16). Within a partition
+    /// batches are processed one at a time, in offset order.
     pub max_in_flight: usize,
-    /// Records buffered per partition ahead of the one in process (default 2048). A partition
-    /// whose buffer is full is paused until it drains to half.
+    /// Most records of one partition handed to the executor in one batch (default 100, and at
+    /// most the store's [`max_batch`](idem_core::Limits::max_batch)): the records waiting when
+    /// the partition's worker is free, up to this many, go to
+    /// [`Executor::run_batch`](idem_executor::Executor::run_batch) together (one acquire call,
+    /// grouped completions). Their handlers run concurrently (records of one key one after the
+    /// other, in offset order); they are resolved and committed in offset order. `1` processes
+    /// a partition's records strictly one at a time.
+    pub max_batch: usize,
+    /// Records of a partition held by the runner, waiting or in process (default 100,000, as
+    /// librdkafka's own prefetch bound `queued.min.messages`). A partition whose buffer is full
+    /// is paused until it drains to half.
     ///
-    /// Keep it well above what the handler gets through in `fetch.wait.max.ms` (500 ms by
-    /// default): a pause drops what the client prefetched for the partition, and after the resume
-    /// the refetch may wait for a fetch request already in flight, up to that long. With 256 the
-    /// runner measured about 480 records/s on one partition (the buffer ran dry at every resume);
-    /// with 2048, about 4,300.
+    /// A pause drops what the client prefetched for the partition, and after the resume the
+    /// refetch may wait for a fetch request already in flight, up to `fetch.wait.max.ms` (500 ms
+    /// by default), so a bound the runner reaches in the common case costs throughput: with
+    /// 2,048 the runner measured about 4,000 records/s on one partition against about 7,800 with a
+    /// buffer that never paused, and with 256 about 480. Lower it only to bound memory (each
+    /// record is held with its payload).
     pub max_buffered_per_partition: usize,
     /// How often resolved offsets are committed (default 1 s). Commits also happen at every
     /// revocation and at shutdown.
     pub commit_interval: Duration,
-    /// Shortest pause before a record is tried again (default 50 ms), so a hint of zero never
-    /// spins.
+    /// Shortest pause before a record is tried again (default 5 ms), so a hint of zero never
+    /// spins; also the first wait on a key another consumer holds.
     pub min_retry_delay: Duration,
-    /// Longest pause before a record is tried again (default 5 s): a key held by a live lease is
-    /// looked at again at least this often, even when the holder's lease runs longer.
+    /// Longest pause before a record is tried again (default 5 s). A record whose key another
+    /// consumer holds is tried again with exponential backoff (with jitter) from
+    /// [`min_retry_delay`](Self::min_retry_delay) up to this, and never later than the holder's
+    /// lease expiry: a holder that finishes in 300 ms costs a wait of about that long, and one
+    /// that crashed is taken over as its lease ends.
     pub max_retry_delay: Duration,
     /// Where dead-lettered records go (default: the source topic + `.dlq`). The runner never
     /// creates these topics: see [Topics](crate#topics).
@@ -72,9 +85,10 @@ impl Default for RunnerOptions {
     fn default() -> Self {
         Self {
             max_in_flight: 16,
-            max_buffered_per_partition: 2048,
+            max_batch: 100,
+            max_buffered_per_partition: 100_000,
             commit_interval: Duration::from_secs(1),
-            min_retry_delay: Duration::from_millis(50),
+            min_retry_delay: Duration::from_millis(5),
             max_retry_delay: Duration::from_secs(5),
             dead_letter_topic: DeadLetterTopic::default(),
             dead_letter_timeout: Duration::from_secs(30),
@@ -90,6 +104,12 @@ impl RunnerOptions {
     /// Sets [`max_in_flight`](Self::max_in_flight).
     pub fn with_max_in_flight(mut self, n: usize) -> Self {
         self.max_in_flight = n;
+        self
+    }
+
+    /// Sets [`max_batch`](Self::max_batch).
+    pub fn with_max_batch(mut self, n: usize) -> Self {
+        self.max_batch = n;
         self
     }
 
@@ -157,6 +177,9 @@ impl RunnerOptions {
         if self.max_in_flight == 0 {
             return Err(RunnerError::config("max_in_flight", "must be at least 1"));
         }
+        if self.max_batch == 0 {
+            return Err(RunnerError::config("max_batch", "must be at least 1"));
+        }
         if self.max_buffered_per_partition == 0 {
             return Err(RunnerError::config(
                 "max_buffered_per_partition",
@@ -203,7 +226,7 @@ mod tests {
     #[test]
     fn retry_delay_is_clamped() {
         let o = RunnerOptions::default();
-        assert_eq!(o.retry_delay(Duration::ZERO), Duration::from_millis(50));
+        assert_eq!(o.retry_delay(Duration::ZERO), Duration::from_millis(5));
         assert_eq!(
             o.retry_delay(Duration::from_secs(1)),
             Duration::from_secs(1)

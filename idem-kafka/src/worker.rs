@@ -1,7 +1,11 @@
-//! One partition's worker: takes its records in offset order and resolves them one at a time.
+//! One partition's worker: takes its records in offset order, in batches, and resolves them in
+//! order.
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 
 use idem_executor::{BrokerAction, Codec, ExecutorError, Handler, Outcome, Plain, Recorder};
 use serde::Serialize;
@@ -56,7 +60,12 @@ pub(crate) struct Worker<H, T, C, R = Plain> {
 
 /// Pause before writing to the dead-letter topic again after a failed write (clamped to the
 /// retry delays).
-const DEAD_LETTER_RETRY_HINT: std::time::Duration = std::time::Duration::from_secs(1);
+const DEAD_LETTER_RETRY_HINT: Duration = Duration::from_secs(1);
+
+/// Retry waits shorter than this keep the partition fetching: a pause drops what the client
+/// prefetched, and the refetch after the resume can wait up to `fetch.wait.max.ms` (500 ms by
+/// default). The buffer bound still holds meanwhile.
+const PAUSE_FROM: Duration = Duration::from_millis(500);
 
 /// What the worker does after a record.
 enum Next {
@@ -77,6 +86,13 @@ where
     R: Recorder,
 {
     pub(crate) async fn run(mut self) {
+        let max_batch = self
+            .common
+            .options
+            .max_batch
+            .min(self.common.execution.max_batch())
+            .max(1);
+        let mut batch = Vec::with_capacity(max_batch);
         loop {
             let msg = tokio::select! {
                 biased;
@@ -87,14 +103,23 @@ where
                     None => return,
                 },
             };
-            lock(&self.flow).taken();
+            batch.clear();
+            batch.push(msg);
+            // Whatever else waits, up to a batch.
+            while batch.len() < max_batch {
+                match self.records.try_recv() {
+                    Ok(msg) => batch.push(msg),
+                    Err(_) => break,
+                }
+            }
             let span = tracing::debug_span!(
-                "idem_kafka_record",
-                topic = msg.topic(),
-                partition = msg.partition(),
-                offset = msg.offset()
+                "idem_kafka_batch",
+                topic = batch[0].topic(),
+                partition = batch[0].partition(),
+                offset = batch[0].offset(),
+                records = batch.len()
             );
-            match self.process(&msg).instrument(span).await {
+            match self.process(&batch).instrument(span).await {
                 Next::Continue => {}
                 Next::Stop => return,
                 Next::Abandoned => {
@@ -105,9 +130,18 @@ where
         }
     }
 
-    /// Processes one record until it is resolved or the worker must stop.
-    async fn process(&self, msg: &KafkaMessage) -> Next {
+    /// Processes a batch of records (in offset order) until every one is resolved or the worker
+    /// must stop. Records are resolved in order: the first one that is not (busy key, retryable
+    /// failure, store error) is tried again after a pause together with every record after it
+    /// (those that completed meanwhile are then replayed from the store).
+    async fn process(&self, batch: &[KafkaMessage]) -> Next {
         let common = &self.common;
+        let mut start = 0;
+        // Backoff on a busy key, for the record at `start`.
+        let mut busy = BusyWait::default();
+        // Records whose handler ran and completed here, possibly in a try of the batch that left
+        // them unresolved (behind an unresolved record): counted as executed when resolved.
+        let mut executed = vec![false; batch.len()];
         loop {
             let permit = tokio::select! {
                 biased;
@@ -120,48 +154,86 @@ where
             };
             let step = common
                 .execution
-                .try_once(msg, &self.revoke, &common.options, &common.stats)
+                .try_batch(
+                    &batch[start..],
+                    &self.revoke,
+                    &common.options,
+                    &common.stats,
+                )
                 .await;
             drop(permit);
-            let (result, attempt) = match step {
+            let results = match step {
                 Step::Revoked => return Next::Abandoned,
-                Step::Done { result, attempt } => (result, attempt),
+                Step::Done { results } => results,
             };
             let revoked = self.revoke.is_cancelled();
-            let delay = match BrokerAction::of(&result) {
-                BrokerAction::Ack => {
-                    match &result {
-                        Ok(Outcome::Executed(_)) => {
-                            RunnerStats::count(&common.stats.executed, m::EXECUTED);
+            for (at, (result, _)) in results.iter().enumerate() {
+                if matches!(result, Ok(Outcome::Executed(_))) {
+                    executed[start + at] = true;
+                }
+            }
+            let mut delay = None;
+            for (result, attempt) in results {
+                let msg = &batch[start];
+                match BrokerAction::of(&result) {
+                    BrokerAction::Ack => {
+                        match &result {
+                            // A replay of what this worker executed in an earlier try of the
+                            // batch is counted as the execution it is.
+                            Ok(Outcome::Executed(_)) | Ok(Outcome::Replayed(_))
+                                if executed[start] =>
+                            {
+                                RunnerStats::count(&common.stats.executed, m::EXECUTED);
+                            }
+                            Ok(Outcome::Replayed(_)) => {
+                                RunnerStats::count(&common.stats.replayed, m::REPLAYED);
+                            }
+                            _ => RunnerStats::bump(&common.stats.acked_other),
                         }
-                        Ok(Outcome::Replayed(_)) => {
-                            RunnerStats::count(&common.stats.replayed, m::REPLAYED);
-                        }
-                        _ => RunnerStats::bump(&common.stats.acked_other),
+                        // Resolved even when revoked meanwhile: the revocation commits it.
+                        self.resolved(msg);
+                        tracing::debug!(
+                            offset = msg.offset(),
+                            outcome = outcome_name(&result),
+                            "resolved"
+                        );
+                        start += 1;
                     }
-                    self.resolved(msg);
-                    tracing::debug!(outcome = outcome_name(&result), "resolved");
-                    // Resolved even when revoked meanwhile: the revocation commits it.
-                    return if revoked { Next::Stop } else { Next::Continue };
+                    _ if revoked => return Next::Abandoned,
+                    BrokerAction::DeadLetter { reason, error } => {
+                        let info = dead_letter::classify(&result, reason, error, attempt);
+                        drop(result);
+                        // The outcome is final: only the dead-letter write is tried again, never
+                        // the executor call (which, for an un-deduplicated record, would run the
+                        // handler again).
+                        match self.dead_letter_until_written(msg, &info).await {
+                            Next::Continue => start += 1,
+                            other => return other,
+                        }
+                    }
+                    BrokerAction::Retry { after } => {
+                        tracing::debug!(
+                            offset = msg.offset(),
+                            outcome = outcome_name(&result),
+                            hint = ?after,
+                            "not resolved: pausing before trying it again"
+                        );
+                        delay = Some(match &result {
+                            Ok(Outcome::InProgress { retry_after, .. }) => {
+                                busy.delay(&common.options, start, *retry_after)
+                            }
+                            _ => common.options.retry_delay(after),
+                        });
+                        break;
+                    }
+                    _ => {
+                        delay = Some(common.options.min_retry_delay);
+                        break;
+                    }
                 }
-                _ if revoked => return Next::Abandoned,
-                BrokerAction::DeadLetter { reason, error } => {
-                    let info = dead_letter::classify(&result, reason, error, attempt);
-                    drop(result);
-                    // The outcome is final: only the dead-letter write is tried again, never the
-                    // executor call (which, for an un-deduplicated record, would run the handler
-                    // again).
-                    return self.dead_letter_until_written(msg, &info).await;
-                }
-                BrokerAction::Retry { after } => {
-                    tracing::debug!(
-                        outcome = outcome_name(&result),
-                        hint = ?after,
-                        "not resolved: pausing the partition before trying again"
-                    );
-                    common.options.retry_delay(after)
-                }
-                _ => common.options.min_retry_delay,
+            }
+            let Some(delay) = delay else {
+                return if revoked { Next::Stop } else { Next::Continue };
             };
             if !self.pause_before_retry(delay).await {
                 return Next::Abandoned;
@@ -185,22 +257,28 @@ where
         }
     }
 
-    /// Keeps the partition paused for `delay`. `false` when the worker must stop instead
+    /// Waits `delay` before a retry, with the partition paused when the wait is long (from
+    /// [`PAUSE_FROM`]). `false` when the worker must stop instead
     /// (revoked or shutting down).
-    async fn pause_before_retry(&self, delay: std::time::Duration) -> bool {
+    async fn pause_before_retry(&self, delay: Duration) -> bool {
         let common = &self.common;
         if common.drain.is_cancelled() || self.revoke.is_cancelled() {
             return false;
         }
         RunnerStats::count(&common.stats.retries, m::RETRIES);
-        lock(&self.flow).set_retry_wait(true);
+        let pause = delay >= PAUSE_FROM;
+        if pause {
+            lock(&self.flow).set_retry_wait(true);
+        }
         let slept = tokio::select! {
             biased;
             () = self.revoke.cancelled() => false,
             () = common.drain.cancelled() => false,
             () = tokio::time::sleep(delay) => true,
         };
-        lock(&self.flow).set_retry_wait(false);
+        if pause {
+            lock(&self.flow).set_retry_wait(false);
+        }
         slept
     }
 
@@ -245,6 +323,42 @@ where
     }
 }
 
+/// The waits before trying again a record whose key another consumer holds: exponential backoff
+/// with jitter from `min_retry_delay` to `max_retry_delay`, kept while the same record waits,
+/// and never past the holder's lease (`retry_after`): a holder that finishes soon is followed
+/// soon, and a crashed one is taken over as soon as its lease ends.
+#[derive(Default)]
+struct BusyWait {
+    /// The record waiting (its index in the batch) and its backoff.
+    waiting: Option<(usize, ExponentialBackoff)>,
+}
+
+impl BusyWait {
+    /// The next wait for the record at `at`, whose key's holder has `retry_after` of lease left.
+    fn delay(&mut self, options: &RunnerOptions, at: usize, retry_after: Duration) -> Duration {
+        if self
+            .waiting
+            .as_ref()
+            .is_none_or(|(waiting, _)| *waiting != at)
+        {
+            let backoff = ExponentialBuilder::new()
+                .with_min_delay(options.min_retry_delay)
+                .with_max_delay(options.max_retry_delay)
+                .with_jitter()
+                .without_max_times()
+                .build();
+            self.waiting = Some((at, backoff));
+        }
+        let next = self
+            .waiting
+            .as_mut()
+            .and_then(|(_, backoff)| backoff.next())
+            .unwrap_or(options.max_retry_delay);
+        next.min(retry_after + Duration::from_millis(1))
+            .clamp(options.min_retry_delay, options.max_retry_delay)
+    }
+}
+
 fn outcome_name<T>(result: &Result<Outcome<T>, ExecutorError>) -> &'static str {
     match result {
         Ok(outcome) => outcome.name(),
@@ -258,4 +372,37 @@ fn outcome_name<T>(result: &Result<Outcome<T>, ExecutorError>) -> &'static str {
 pub(crate) fn lock(flow: &Mutex<Flow>) -> std::sync::MutexGuard<'_, Flow> {
     flow.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_busy_key_is_looked_at_again_from_milliseconds_up_to_the_cap() {
+        let options = RunnerOptions::default();
+        let min = options.min_retry_delay;
+        let lease_left = Duration::from_secs(30);
+        let mut busy = BusyWait::default();
+        let first = busy.delay(&options, 0, lease_left);
+        // Jitter adds at most the delay itself.
+        assert!(first >= min && first <= min * 2, "{first:?}");
+        let waits: Vec<Duration> = (0..20)
+            .map(|_| busy.delay(&options, 0, lease_left))
+            .collect();
+        assert!(waits[3] > first, "it grows: {waits:?}");
+        assert!(
+            waits.iter().all(|w| *w <= options.max_retry_delay),
+            "capped: {waits:?}"
+        );
+        assert_eq!(waits[19], options.max_retry_delay, "{waits:?}");
+        // Never past the holder's lease.
+        assert_eq!(
+            busy.delay(&options, 0, Duration::from_millis(40)),
+            Duration::from_millis(41)
+        );
+        // Another record starts from the shortest wait again.
+        let other = busy.delay(&options, 1, lease_left);
+        assert!(other <= min * 2, "{other:?}");
+    }
 }

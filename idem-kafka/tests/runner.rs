@@ -573,7 +573,8 @@ async fn a_dead_worker_stops_the_runner_instead_of_stalling_its_partition() {
         handler,
     )
     .topic(&topic)
-    .options(fast_options())
+    // One record per batch: the first record is processed before the second kills the worker.
+    .options(fast_options().with_max_batch(1))
     .build()
     .unwrap();
     let stats = runner.stats();
@@ -686,7 +687,12 @@ async fn shutdown_drains_the_record_in_process_and_commits_what_finished() {
         make_handler(true),
     )
     .topic(&topic)
-    .options(fast_options().with_commit_interval(Duration::from_secs(60)))
+    // One record per batch, so that exactly one is in process at the shutdown.
+    .options(
+        fast_options()
+            .with_commit_interval(Duration::from_secs(60))
+            .with_max_batch(1),
+    )
     .build()
     .unwrap();
     let stats = runner.stats();
@@ -833,7 +839,8 @@ async fn concurrency_is_bounded_across_partitions_and_order_kept_within_each() {
         handler,
     )
     .topic(&topic)
-    .options(fast_options().with_max_in_flight(2))
+    // One record per batch: strictly one record at a time within each partition.
+    .options(fast_options().with_max_in_flight(2).with_max_batch(1))
     .build()
     .unwrap();
     let stats = runner.stats();
@@ -927,4 +934,68 @@ async fn a_missing_dead_letter_topic_keeps_the_record_unresolved_until_it_exists
         header(&dlq[0], idem_kafka::HEADER_REASON).as_deref(),
         Some("missing_key")
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_runs_its_batches_concurrently_keeps_each_key_in_order_and_commits_in_order() {
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("batch");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    // 40 keys, then the first 10 again, then a key met three times in a row.
+    let mut recs: Vec<Rec> = (0..40)
+        .map(|i| Rec::keyed(0, &format!("k{i}"), format!("{{\"n\":{i}}}")))
+        .collect();
+    recs.extend((0..10).map(|i| Rec::keyed(0, &format!("k{i}"), format!("{{\"n\":{i}}}"))));
+    recs.extend((0..3).map(|_| Rec::keyed(0, "again", "{}")));
+    let ends = ends(&produce(&topic, &recs).await);
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    let in_flight = Arc::new(AtomicU32::new(0));
+    let max_seen = Arc::new(AtomicU32::new(0));
+    let runs = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (f, m, r) = (
+        Arc::clone(&in_flight),
+        Arc::clone(&max_seen),
+        Arc::clone(&runs),
+    );
+    let handler = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let (f, m, r) = (Arc::clone(&f), Arc::clone(&m), Arc::clone(&r));
+        async move {
+            let now = f.fetch_add(1, Ordering::SeqCst) + 1;
+            m.fetch_max(now, Ordering::SeqCst);
+            let key = String::from_utf8(msg.key().unwrap().to_vec()).unwrap();
+            r.lock().unwrap().push((key, msg.offset()));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            f.fetch_sub(1, Ordering::SeqCst);
+            Ok::<_, HandlerError>(())
+        }
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store, ExecutorConfig::new("batch")),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, recs.len() as u64, Duration::from_secs(60)).await;
+    stop(running).await;
+    assert_eq!((stats.executed(), stats.replayed()), (41, 12), "{stats:?}");
+    assert!(
+        max_seen.load(Ordering::SeqCst) > 1,
+        "handlers of one partition's batch ran at once"
+    );
+    let runs = runs.lock().unwrap();
+    let mut keys: Vec<&str> = runs.iter().map(|(k, _)| k.as_str()).collect();
+    keys.sort_unstable();
+    let before = keys.len();
+    keys.dedup();
+    assert_eq!(before, keys.len(), "each key ran once: {runs:?}");
+    assert_eq!(committed(&group, &topic, 1), ends);
 }

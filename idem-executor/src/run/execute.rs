@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 use tracing::Span;
 
+use super::batch::RecordQueue;
 use super::record::Failure;
 use crate::Executor;
 use crate::codec::Codec;
@@ -39,9 +40,28 @@ pub(super) struct Leased<'a> {
     heartbeats: &'a Arc<Heartbeats>,
     pub(super) state: Arc<LeaseState>,
     registration: OnceLock<Registration<'a>>,
+    /// Where its completion or failure is sent: grouped with others in a batch, or (`None`)
+    /// straight to the store.
+    pub(super) records: Option<&'a RecordQueue>,
 }
 
-impl Leased<'_> {
+impl<'a> Leased<'a> {
+    /// A lease granted by an acquire sent at `sent`.
+    pub(super) fn new(
+        heartbeats: &'a Arc<Heartbeats>,
+        lease: Lease,
+        sent: Instant,
+        ttl: std::time::Duration,
+        records: Option<&'a RecordQueue>,
+    ) -> Self {
+        Self {
+            heartbeats,
+            state: LeaseState::new(lease, sent, ttl),
+            registration: OnceLock::new(),
+            records,
+        }
+    }
+
     /// The lease.
     pub(super) fn lease(&self) -> &Lease {
         &self.state.lease
@@ -78,17 +98,34 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         T: Serialize + DeserializeOwned,
     {
         let inner = &self.inner;
+        self.started(&lease, takeover, span);
+        let leased = Leased::new(&inner.heartbeats, lease, sent, inner.config.lease_ttl, None);
+        self.execute_leased(leased, takeover, handler).await
+    }
+
+    /// Notes a lease about to run its handler on the span (and counts a takeover).
+    pub(super) fn started(&self, lease: &Lease, takeover: bool, span: &Span) {
         span.record("attempt", lease.attempt);
         span.record("token", lease.token.get());
         if takeover {
             self.count(Counter::Takeovers);
             tracing::info!(attempt = lease.attempt, "took over an expired lease");
         }
-        let leased = Leased {
-            heartbeats: &inner.heartbeats,
-            state: LeaseState::new(lease, sent, inner.config.lease_ttl),
-            registration: OnceLock::new(),
-        };
+    }
+
+    /// Runs the handler under a lease already held, heartbeating while it is pending, then
+    /// records what it came to.
+    pub(super) async fn execute_leased<F, Fut, T>(
+        &self,
+        leased: Leased<'_>,
+        takeover: bool,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecutorError>
+    where
+        F: FnOnce(HandlerContext) -> Fut,
+        Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
+        T: Serialize + DeserializeOwned,
+    {
         let ctx = HandlerContext::leased(Arc::clone(&leased.state), takeover);
         let handled = {
             let mut run = pin!(catching(handler, ctx));

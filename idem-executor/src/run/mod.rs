@@ -2,6 +2,8 @@
 //!
 //! - this module: the entry points ([`Executor::run`], [`Executor::run_with_key`],
 //!   [`Executor::handle`]), key and fingerprint, the acquire outcome, pass-through;
+//! - [`batch`]: many messages at once ([`Executor::run_batch`]): one acquire call, bounded
+//!   concurrency, records grouped into batched store calls;
 //! - [`wait`]: the acquire with the optional bounded wait while another worker holds the key;
 //! - [`execute`]: the handler under its lease, with panics caught, heartbeats and cancellation;
 //! - [`record`]: completion and failure records, re-sent while the lease holds, and the
@@ -10,6 +12,7 @@
 //! - [`store_errors`]: the fail-closed / fail-open policy;
 //! - [`observe`]: the tracing span and the metrics.
 
+mod batch;
 mod execute;
 mod observe;
 mod record;
@@ -20,6 +23,7 @@ use std::future::Future;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
 use crate::Executor;
@@ -164,22 +168,35 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
     {
         let result = match prepared {
             Ok(Some((key, fingerprint))) => self.run_keyed(key, fingerprint, handler, &span).await,
-            Ok(None) => match self.inner.config.missing_key {
-                MissingKeyPolicy::PassThrough => {
-                    tracing::warn!(
-                        "message without an idempotency key passed through un-deduplicated"
-                    );
-                    Ok(
-                        Box::pin(self.pass_through(None, PassThroughReason::MissingKey, handler))
-                            .await,
-                    )
-                }
-                MissingKeyPolicy::Reject => Err(ExecutorError::MissingKey),
-            },
+            Ok(None) => self.unkeyed(handler).await,
             Err(e) => Err(e),
         };
         self.observe(&result, &span);
         result
+    }
+
+    /// A message without a key: the missing-key policy.
+    async fn unkeyed<F, Fut, T>(&self, handler: F) -> Result<Outcome<T>, ExecutorError>
+    where
+        F: FnOnce(HandlerContext) -> Fut,
+        Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
+    {
+        match self.inner.config.missing_key {
+            MissingKeyPolicy::PassThrough => {
+                tracing::warn!("message without an idempotency key passed through un-deduplicated");
+                Ok(Box::pin(self.pass_through(None, PassThroughReason::MissingKey, handler)).await)
+            }
+            MissingKeyPolicy::Reject => Err(ExecutorError::MissingKey),
+        }
+    }
+
+    /// The acquire request of a key.
+    fn request(&self, key: IdempotencyKey, fingerprint: Option<Fingerprint>) -> AcquireRequest {
+        let inner = &self.inner;
+        AcquireRequest::new(key, inner.owner.clone())
+            .with_fingerprint(fingerprint)
+            .with_lease_ttl(inner.config.lease_ttl)
+            .with_max_attempts(inner.config.max_attempts)
     }
 
     /// Acquires the key and acts on what the store answered.
@@ -195,13 +212,28 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
         T: Serialize + DeserializeOwned,
     {
-        let inner = &self.inner;
         span.record("key", key.id());
-        let req = AcquireRequest::new(key, inner.owner.clone())
-            .with_fingerprint(fingerprint)
-            .with_lease_ttl(inner.config.lease_ttl)
-            .with_max_attempts(inner.config.max_attempts);
-        let (acquired, sent) = match self.acquire(&req).await {
+        let req = self.request(key, fingerprint);
+        let acquired = self.acquire(&req).await;
+        self.acquired(req, acquired, handler, span).await
+    }
+
+    /// Acts on what the store answered to `req` (after the optional in-progress wait): runs the
+    /// handler on a lease, or reports why not.
+    async fn acquired<F, Fut, T>(
+        &self,
+        req: AcquireRequest,
+        acquired: Result<(AcquireOutcome, Instant), idem_core::Error>,
+        handler: F,
+        span: &Span,
+    ) -> Result<Outcome<T>, ExecutorError>
+    where
+        F: FnOnce(HandlerContext) -> Fut,
+        Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
+        T: Serialize + DeserializeOwned,
+    {
+        let inner = &self.inner;
+        let (acquired, sent) = match acquired {
             Ok(acquired) => acquired,
             Err(e) => {
                 let key = req.key.clone();

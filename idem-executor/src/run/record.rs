@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use bytes::Bytes;
+use futures::future::Either;
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -122,14 +123,18 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         };
         let retention = inner.config.retention;
         let recorded = self
-            .record_with_retry(leased, || {
-                inner.recorder.complete(
+            .record_with_retry(leased, || match leased.records {
+                // A transactional completion carries its writes: it has no batched form.
+                Some(queue) if !R::TRANSACTIONAL => {
+                    Either::Left(queue.complete(leased.lease(), bytes.clone()))
+                }
+                _ => Either::Right(inner.recorder.complete(
                     &inner.store,
                     leased.lease(),
                     bytes.clone(),
                     retention,
                     writes.clone(),
-                )
+                )),
             })
             .await;
         match recorded {
@@ -239,8 +244,9 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         };
         let retention = inner.config.retention;
         let recorded = self
-            .record_with_retry(leased, || {
-                inner.store.fail(leased.lease(), &error, kind, retention)
+            .record_with_retry(leased, || match leased.records {
+                Some(queue) => Either::Left(queue.fail(leased.lease(), &error, kind)),
+                None => Either::Right(inner.store.fail(leased.lease(), &error, kind, retention)),
             })
             .await;
         let lease = leased.lease();

@@ -18,6 +18,17 @@ impl<C, R> Executor<C, R> {
     ) -> Result<(AcquireOutcome, Instant), Error> {
         let sent = Instant::now();
         let outcome = self.inner.store.acquire(req).await?;
+        self.waited(req, outcome, sent).await
+    }
+
+    /// What an acquire sent at `sent` answered, after the optional bounded wait when it is
+    /// [`AcquireOutcome::InProgress`].
+    pub(super) async fn waited(
+        &self,
+        req: &AcquireRequest,
+        outcome: AcquireOutcome,
+        sent: Instant,
+    ) -> Result<(AcquireOutcome, Instant), Error> {
         match self.inner.config.in_progress_wait {
             Some(wait) if matches!(outcome, AcquireOutcome::InProgress { .. }) => {
                 // Boxed: the waiting loop stays out of the state of every other call.

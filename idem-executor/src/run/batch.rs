@@ -1,0 +1,508 @@
+//! Many messages at once: every key acquired in one store call, handlers run with bounded
+//! concurrency, completions and failures grouped into batched store calls.
+//!
+//! Everything else is the single path's: the acquire outcome is acted on by the same code, each
+//! handler runs under its lease exactly as in [`Executor::run`] (heartbeats, cancellation,
+//! fencing), and each record is re-sent on `Unavailable` by the same loop; only where a record
+//! goes differs ([`RecordQueue`] instead of the store).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::{self, Either};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tracing::{Instrument, Span};
+
+use super::execute::Leased;
+use crate::Executor;
+use crate::codec::Codec;
+use crate::context::{HandlerContext, HandlerError};
+use crate::error::{BatchError, ExecutorError};
+use crate::message::Message;
+use crate::outcome::Outcome;
+use crate::transactional::Recorder;
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Completion, DynStore, Error, Failure, FailureKind,
+    IdempotencyKey, Lease,
+};
+
+/// What one message of a batch came to.
+type BatchResult<T> = Result<Outcome<T>, ExecutorError>;
+
+/// A record waiting for its group, with where its answer goes.
+enum Pending {
+    Complete(Completion, oneshot::Sender<Result<(), Error>>),
+    Fail(Failure, oneshot::Sender<Result<(), Error>>),
+}
+
+/// Where the leases of a batch send their completions and failures: they are grouped into
+/// `complete_many` / `fail_many` calls, and each record gets its own answer back.
+pub(super) struct RecordQueue {
+    tx: mpsc::UnboundedSender<Pending>,
+    store: &'static str,
+}
+
+impl RecordQueue {
+    /// Sends a completion with the next group and waits for its answer.
+    pub(super) async fn complete(&self, lease: &Lease, result: Bytes) -> Result<(), Error> {
+        let (tx, rx) = oneshot::channel();
+        let completion = Completion::new(lease.clone(), result);
+        self.send(Pending::Complete(completion, tx), rx).await
+    }
+
+    /// Sends a failure with the next group and waits for its answer.
+    pub(super) async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        kind: FailureKind,
+    ) -> Result<(), Error> {
+        let (tx, rx) = oneshot::channel();
+        let failure = Failure::new(lease.clone(), error, kind);
+        self.send(Pending::Fail(failure, tx), rx).await
+    }
+
+    async fn send(
+        &self,
+        pending: Pending,
+        rx: oneshot::Receiver<Result<(), Error>>,
+    ) -> Result<(), Error> {
+        // The queue is read until every message of the batch has its outcome, so neither end
+        // closes early; should one, the record is reported unsent (and is sent again while the
+        // lease holds).
+        let gone = || Error::unavailable(self.store, "the batch's record queue is closed");
+        self.tx.send(pending).map_err(|_| gone())?;
+        rx.await.unwrap_or_else(|_| Err(gone()))
+    }
+}
+
+/// The first message of a key in a batch, and what the batch's acquire answered for it.
+enum First<'a> {
+    /// The key was acquired: its lease, ready to run the handler.
+    Leased { leased: Leased<'a>, takeover: bool },
+    /// Any other answer (or the acquire call's error), acted on as the single path does.
+    Answered {
+        req: AcquireRequest,
+        answer: Result<AcquireOutcome, Error>,
+    },
+    /// No key (`Ok`): the missing-key policy; or the message's error.
+    Unkeyed(Result<(), ExecutorError>),
+}
+
+/// A later message of a key already in the batch: run after the previous one of its key, as a
+/// single call.
+struct Later {
+    index: usize,
+    span: Span,
+    key: IdempotencyKey,
+    fingerprint: Option<idem_core::Fingerprint>,
+}
+
+/// The messages of one key (or one message without a key), run in order.
+struct Chain<'a> {
+    index: usize,
+    span: Span,
+    first: First<'a>,
+    later: Vec<Later>,
+}
+
+impl<C: Codec, R: Recorder> Executor<C, R> {
+    /// Processes a batch of messages: one [`Outcome`] (or [`ExecutorError`]) per message, in
+    /// the order of `msgs`, each exactly what [`run`](Self::run) would have given for it.
+    ///
+    /// `handler` is called with the index of the message in `msgs` (the closure can capture
+    /// `msgs` to read it) and its context, at most once per message, only when its key was
+    /// acquired (or it passes through by policy).
+    ///
+    /// What differs from calling [`run`](Self::run) for each message is the number of store
+    /// round trips:
+    ///
+    /// - every key is acquired in **one**
+    ///   [`acquire_many`](idem_core::IdempotencyStore::acquire_many) call (one outcome per key:
+    ///   the single path then acts on it, including the optional
+    ///   [`in_progress_wait`](crate::ExecutorConfig::in_progress_wait));
+    /// - handlers run at most [`batch.concurrency`](crate::BatchConfig::concurrency) at once,
+    ///   within this call's task (nothing is spawned);
+    /// - completions and failures go to the store in groups
+    ///   ([`complete_many`](idem_core::IdempotencyStore::complete_many),
+    ///   [`fail_many`](idem_core::IdempotencyStore::fail_many)) as described at
+    ///   [`BatchConfig`](crate::BatchConfig). A transactional completion carries its own writes
+    ///   and is sent on its own with
+    ///   [`complete_with`](idem_core::TransactionalStore::complete_with).
+    ///
+    /// Every guarantee of a single call holds per message: each lease heartbeats while its
+    /// handler is pending, and also while its message waits for a free handler slot; a handler
+    /// whose lease is lost, or whose local lease deadline passes, is cancelled and reported
+    /// [`Outcome::LeaseLost`] (a message whose lease ran out before a slot freed is reported so
+    /// without running its handler); each record is fenced by its own lease (a superseded
+    /// lease's completion is refused for that key alone, reported [`Outcome::LeaseLost`]); a
+    /// record answered `Unavailable` is sent again while its lease holds; the store-error and
+    /// missing-key policies apply per message.
+    ///
+    /// **The same key twice.** Only the first message of a key takes part in the batch's
+    /// acquire; each later message with that key runs after the previous one has its outcome,
+    /// exactly as a single call made then (so a duplicate of a message that completed is
+    /// [`Outcome::Replayed`], and one after a retryable failure runs the handler again as the
+    /// next attempt). The outcomes are thus those of calling [`run`](Self::run) for each
+    /// message in order.
+    ///
+    /// Must be called within a Tokio runtime with timers enabled.
+    ///
+    /// # Errors
+    /// [`BatchError::TooLarge`] when `msgs` holds more than the store's
+    /// [`max_batch`](idem_core::Limits::max_batch) messages: nothing is sent and no handler
+    /// runs. Everything else is per message.
+    pub async fn run_batch<M, F, Fut, T>(
+        &self,
+        msgs: &[M],
+        handler: F,
+    ) -> Result<Vec<BatchResult<T>>, BatchError>
+    where
+        M: Message,
+        F: Fn(usize, HandlerContext) -> Fut,
+        Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
+        T: Serialize + DeserializeOwned,
+    {
+        let inner = &self.inner;
+        let max = inner.store.limits().max_batch;
+        if msgs.len() > max {
+            return Err(BatchError::TooLarge {
+                len: msgs.len(),
+                max,
+            });
+        }
+        if msgs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let queue = RecordQueue {
+            tx,
+            store: inner.store.name(),
+        };
+        let chains = self.chains(msgs, &queue).await;
+        let handler = &handler;
+        // The futures are built before the stream (not by a closure it holds across awaits), so
+        // that the whole call is `Send` whenever the handler's futures are.
+        let runs: Vec<_> = chains
+            .into_iter()
+            .map(|chain| self.run_chain(chain, handler))
+            .collect();
+        let work = futures::stream::iter(runs)
+            .buffer_unordered(inner.config.batch.concurrency)
+            .collect::<Vec<_>>();
+        let flush = async {
+            flush_records(
+                &inner.store,
+                inner.config.retention,
+                inner.record_batch,
+                inner.config.batch.record_window,
+                rx,
+            )
+            .await;
+            future::pending::<Infallible>().await
+        };
+        // Every record is answered before its message's outcome is known, so the flusher has
+        // nothing left to send once the work is done.
+        let done = match future::select(pin!(work), pin!(flush)).await {
+            Either::Left((done, _)) => done,
+            Either::Right((never, _)) => match never {},
+        };
+        let mut results: Vec<(usize, BatchResult<T>)> = done.into_iter().flatten().collect();
+        results.sort_unstable_by_key(|(index, _)| *index);
+        Ok(results.into_iter().map(|(_, result)| result).collect())
+    }
+
+    /// Reads every message's key, acquires the first message of each key in one call, and
+    /// groups the messages into chains (one per key, in the order of their first message).
+    async fn chains<'a, M: Message>(
+        &'a self,
+        msgs: &[M],
+        queue: &'a RecordQueue,
+    ) -> Vec<Chain<'a>> {
+        let inner = &self.inner;
+        let mut chains: Vec<Chain<'a>> = Vec::with_capacity(msgs.len());
+        let mut by_key: HashMap<IdempotencyKey, usize> = HashMap::new();
+        // The chain of each request, in order.
+        let mut reqs = Vec::new();
+        let mut of_req = Vec::new();
+        for (index, msg) in msgs.iter().enumerate() {
+            let span = self.span();
+            let prepared = {
+                let _entered = span.enter();
+                self.prepare(msg)
+            };
+            match prepared {
+                Ok(Some((key, fingerprint))) => {
+                    if let Some(&chain) = by_key.get(&key) {
+                        chains[chain].later.push(Later {
+                            index,
+                            span,
+                            key,
+                            fingerprint,
+                        });
+                        continue;
+                    }
+                    span.record("key", key.id());
+                    by_key.insert(key.clone(), chains.len());
+                    of_req.push(chains.len());
+                    reqs.push(self.request(key, fingerprint));
+                    chains.push(Chain {
+                        index,
+                        span,
+                        // Replaced below by the acquire's answer (one per request).
+                        first: First::Unkeyed(Ok(())),
+                        later: Vec::new(),
+                    });
+                }
+                other => chains.push(Chain {
+                    index,
+                    span,
+                    first: First::Unkeyed(other.map(|_| ())),
+                    later: Vec::new(),
+                }),
+            }
+        }
+        if reqs.is_empty() {
+            return chains;
+        }
+        let sent = Instant::now();
+        let answers = match inner.store.acquire_many(&reqs).await {
+            Ok(answers) if answers.len() == reqs.len() => answers,
+            Ok(answers) => {
+                let e = Error::backend(
+                    inner.store.name(),
+                    format!(
+                        "acquire_many answered {} outcomes for {} requests",
+                        answers.len(),
+                        reqs.len()
+                    ),
+                );
+                shared(e, reqs.len())
+            }
+            Err(e) => shared(e, reqs.len()),
+        };
+        let concurrency = inner.config.batch.concurrency;
+        for ((req, answer), chain) in reqs.into_iter().zip(answers).zip(of_req) {
+            chains[chain].first = match answer {
+                Ok(AcquireOutcome::Acquired { lease, takeover }) => {
+                    let leased = Leased::new(
+                        &inner.heartbeats,
+                        lease,
+                        sent,
+                        inner.config.lease_ttl,
+                        Some(queue),
+                    );
+                    // Chains start in order, `concurrency` at once: a later one waits for a
+                    // slot, so its lease heartbeats meanwhile.
+                    if chain >= concurrency {
+                        leased.heartbeat();
+                    }
+                    First::Leased { leased, takeover }
+                }
+                answer => First::Answered { req, answer },
+            };
+        }
+        chains
+    }
+
+    /// Runs the messages of one chain in order: one outcome per message, with its index.
+    async fn run_chain<F, Fut, T>(
+        &self,
+        chain: Chain<'_>,
+        handler: &F,
+    ) -> Vec<(usize, BatchResult<T>)>
+    where
+        F: Fn(usize, HandlerContext) -> Fut,
+        Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
+        T: Serialize + DeserializeOwned,
+    {
+        let Chain {
+            index,
+            span,
+            first,
+            later,
+        } = chain;
+        let mut out = Vec::with_capacity(1 + later.len());
+        let call = move |ctx| handler(index, ctx);
+        let result = self
+            .run_first(first, call, &span)
+            .instrument(span.clone())
+            .await;
+        self.observe(&result, &span);
+        out.push((index, result));
+        for Later {
+            index,
+            span,
+            key,
+            fingerprint,
+        } in later
+        {
+            let call = move |ctx| handler(index, ctx);
+            let result = self.process(Ok(Some((key, fingerprint))), call, span).await;
+            out.push((index, result));
+        }
+        out
+    }
+
+    /// The first message of a chain, from what the batch's acquire answered.
+    async fn run_first<F, Fut, T>(
+        &self,
+        first: First<'_>,
+        handler: F,
+        span: &Span,
+    ) -> BatchResult<T>
+    where
+        F: FnOnce(HandlerContext) -> Fut,
+        Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
+        T: Serialize + DeserializeOwned,
+    {
+        match first {
+            First::Leased { leased, takeover } => {
+                let state = &leased.state;
+                if state.is_cancelled() || state.deadline() <= Instant::now() {
+                    tracing::warn!(
+                        "the lease ran out while the message waited for a handler slot: handler not run"
+                    );
+                    return Ok(self.lease_lost());
+                }
+                self.started(leased.lease(), takeover, span);
+                self.execute_leased(leased, takeover, handler).await
+            }
+            First::Answered { req, answer } => {
+                let answered = match answer {
+                    Ok(outcome) => Box::pin(self.waited(&req, outcome, Instant::now())).await,
+                    Err(e) => Err(e),
+                };
+                self.acquired(req, answered, handler, span).await
+            }
+            First::Unkeyed(Ok(())) => self.unkeyed(handler).await,
+            First::Unkeyed(Err(e)) => Err(e),
+        }
+    }
+}
+
+/// One error of a whole store call, given to each of `n` items: kept retryable when it was.
+fn shared(e: Error, n: usize) -> Vec<Result<AcquireOutcome, Error>> {
+    let e = Arc::new(e);
+    (0..n).map(|_| Err(share(&e))).collect()
+}
+
+/// A copy of a whole call's error for one item.
+fn share(e: &Arc<Error>) -> Error {
+    match &**e {
+        Error::Unavailable { store, .. } => Error::unavailable(store, Arc::clone(e)),
+        Error::Backend { store, .. } | Error::NotSetUp { store, .. } => {
+            Error::backend(store, Arc::clone(e))
+        }
+        _ => Error::backend("batch", Arc::clone(e)),
+    }
+}
+
+/// Sends the queued records in groups until the queue closes: a group is whatever waits when
+/// the previous one came back (up to `max` records, after up to `window` for more), sent as one
+/// `complete_many` and one `fail_many` call at once.
+async fn flush_records(
+    store: &DynStore,
+    retention: Duration,
+    max: usize,
+    window: Duration,
+    mut rx: mpsc::UnboundedReceiver<Pending>,
+) {
+    while let Some(first) = rx.recv().await {
+        let mut group = vec![first];
+        gather(&mut rx, &mut group, max, window).await;
+        let mut completions = Vec::new();
+        let mut completed = Vec::new();
+        let mut failures = Vec::new();
+        let mut failed = Vec::new();
+        for pending in group {
+            match pending {
+                Pending::Complete(item, tx) => {
+                    completions.push(item);
+                    completed.push(tx);
+                }
+                Pending::Fail(item, tx) => {
+                    failures.push(item);
+                    failed.push(tx);
+                }
+            }
+        }
+        let complete = async {
+            if !completions.is_empty() {
+                let answers = store.complete_many(&completions, retention).await;
+                answer(store.name(), answers, completed);
+            }
+        };
+        let fail = async {
+            if !failures.is_empty() {
+                let answers = store.fail_many(&failures, retention).await;
+                answer(store.name(), answers, failed);
+            }
+        };
+        futures::join!(complete, fail);
+    }
+}
+
+/// Adds to `group` what waits in the queue, up to `max`, waiting up to `window` for more.
+async fn gather(
+    rx: &mut mpsc::UnboundedReceiver<Pending>,
+    group: &mut Vec<Pending>,
+    max: usize,
+    window: Duration,
+) {
+    let deadline = Instant::now() + window;
+    loop {
+        while group.len() < max {
+            match rx.try_recv() {
+                Ok(pending) => group.push(pending),
+                Err(_) => break,
+            }
+        }
+        if group.len() >= max || window.is_zero() {
+            return;
+        }
+        match tokio::time::timeout_at(deadline, rx.recv()).await {
+            Ok(Some(pending)) => group.push(pending),
+            Ok(None) | Err(_) => return,
+        }
+    }
+}
+
+/// Gives each waiting record its answer from a batched call.
+fn answer(
+    store: &'static str,
+    answers: Result<Vec<Result<(), Error>>, Error>,
+    waiting: Vec<oneshot::Sender<Result<(), Error>>>,
+) {
+    let answers = match answers {
+        Ok(answers) if answers.len() == waiting.len() => answers,
+        Ok(answers) => {
+            let e = Arc::new(Error::backend(
+                store,
+                format!(
+                    "answered {} results for {} records",
+                    answers.len(),
+                    waiting.len()
+                ),
+            ));
+            waiting.iter().map(|_| Err(share(&e))).collect()
+        }
+        Err(e) => {
+            let e = Arc::new(e);
+            waiting.iter().map(|_| Err(share(&e))).collect()
+        }
+    };
+    for (tx, answer) in waiting.into_iter().zip(answers) {
+        // A record whose caller is gone has no one to tell.
+        let _ = tx.send(answer);
+    }
+}

@@ -1,0 +1,599 @@
+//! Executor batches: `run_batch` gives exactly the outcomes of single calls, in far fewer store
+//! calls, with every single-message guarantee (heartbeats, fencing, the batch size limit).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use idem_core::{
+    AcquireOutcome, AcquireRequest, Bytes, Completion, Failure, FailureKind, IdempotencyKey,
+    IdempotencyStore, Lease, Limits, ListQuery, ManualClock, MemoryStore, Page, Record,
+    RecordState,
+};
+use idem_executor::{
+    BatchConfig, BatchError, Executor, ExecutorConfig, HandlerError, Message, MissingKeyPolicy,
+    Outcome, RawMessage,
+};
+use tokio::sync::oneshot;
+
+fn msg(key: &str, payload: &str) -> RawMessage {
+    RawMessage::new(payload.to_owned()).with_header("idempotency-key", key.to_owned())
+}
+
+fn manual_store() -> (MemoryStore, Arc<ManualClock>) {
+    let clock = Arc::new(ManualClock::new(
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+    ));
+    (MemoryStore::with_clock(clock.clone()), clock)
+}
+
+/// What each payload makes the handler do.
+async fn behave(payload: &[u8], attempt: u32) -> Result<String, HandlerError> {
+    match payload {
+        b"retry" => Err(HandlerError::retryable(format!("flaky at {attempt}"))),
+        b"terminal" => Err(HandlerError::terminal("bad request")),
+        b"panic" => panic!("handler panicked at {attempt}"),
+        b"yield" => {
+            // Pending at its first poll: the heartbeat path.
+            tokio::task::yield_now().await;
+            Ok(format!("yielded at {attempt}"))
+        }
+        other => Ok(format!("{} at {attempt}", String::from_utf8_lossy(other))),
+    }
+}
+
+const MAX_ATTEMPTS: u32 = 3;
+
+fn config() -> ExecutorConfig {
+    ExecutorConfig::new("batch")
+        .with_owner("worker")
+        .with_max_attempts(MAX_ATTEMPTS)
+        .with_missing_key(MissingKeyPolicy::Reject)
+}
+
+/// The same history on a store, through its own API: keys busy, finished, failed, exhausted.
+async fn seed(store: &MemoryStore) {
+    let ns = idem_core::Namespace::new("batch").unwrap();
+    let req = |key: &str, owner: &str| {
+        AcquireRequest::new(ns.key(key).unwrap(), owner.to_owned())
+            .with_lease_ttl(Duration::from_secs(30))
+            .with_max_attempts(MAX_ATTEMPTS)
+    };
+    let retention = Duration::from_secs(3600);
+    let lease = |outcome: AcquireOutcome| match outcome {
+        AcquireOutcome::Acquired { lease, .. } => lease,
+        other => panic!("{other:?}"),
+    };
+    // Held by another worker.
+    store.acquire(&req("busy", "other")).await.unwrap();
+    // Completed with a result the executor's codec reads.
+    let l = lease(store.acquire(&req("done", "other")).await.unwrap());
+    store
+        .complete(&l, Bytes::from_static(b"\"stored\""), retention)
+        .await
+        .unwrap();
+    // Completed with a result that does not decode as a String.
+    let l = lease(store.acquire(&req("undecodable", "other")).await.unwrap());
+    store
+        .complete(&l, Bytes::from_static(b"17"), retention)
+        .await
+        .unwrap();
+    // A terminal failure.
+    let l = lease(store.acquire(&req("failed", "other")).await.unwrap());
+    store
+        .fail(&l, "no such account", FailureKind::Terminal, retention)
+        .await
+        .unwrap();
+    // Every attempt used.
+    for _ in 0..MAX_ATTEMPTS {
+        let l = lease(store.acquire(&req("exhausted", "other")).await.unwrap());
+        store
+            .fail(&l, "down", FailureKind::Retryable, retention)
+            .await
+            .unwrap();
+    }
+    // One attempt used: the next is the second.
+    let l = lease(store.acquire(&req("failed-once", "other")).await.unwrap());
+    store
+        .fail(&l, "down", FailureKind::Retryable, retention)
+        .await
+        .unwrap();
+    // Completed for another payload: a conflict.
+    let conflicting = req("conflict", "other").with_fingerprint(idem_core::Fingerprint::of(b"a"));
+    let l = lease(store.acquire(&conflicting).await.unwrap());
+    store
+        .complete(&l, Bytes::from_static(b"\"a\""), retention)
+        .await
+        .unwrap();
+}
+
+/// Every kind of message, the same key more than once among them.
+fn mixed() -> Vec<RawMessage> {
+    vec![
+        msg("fresh", "hello"),
+        msg("done", "again"),
+        msg("busy", "hello"),
+        msg("conflict", "b"),
+        msg("exhausted", "hello"),
+        msg("failed", "hello"),
+        msg("failed-once", "hello"),
+        msg("undecodable", "hello"),
+        msg(&"x".repeat(10_000), "too long a key"),
+        RawMessage::new("no key".to_owned()),
+        msg("retry", "retry"),
+        msg("terminal", "terminal"),
+        msg("panic", "panic"),
+        msg("yield", "yield"),
+        // The same keys again: after a completion, a retryable failure, a terminal one.
+        msg("fresh", "hello"),
+        msg("retry", "retry"),
+        msg("retry", "retry"),
+        msg("terminal", "terminal"),
+        msg("twice", "first"),
+        msg("twice", "first"),
+    ]
+}
+
+fn keys() -> Vec<&'static str> {
+    vec![
+        "fresh",
+        "done",
+        "busy",
+        "conflict",
+        "exhausted",
+        "failed",
+        "failed-once",
+        "undecodable",
+        "retry",
+        "terminal",
+        "panic",
+        "yield",
+        "twice",
+    ]
+}
+
+#[tokio::test]
+async fn a_mixed_batch_gives_exactly_the_outcomes_of_single_calls() {
+    let (single_store, _c1) = manual_store();
+    let (batch_store, _c2) = manual_store();
+    seed(&single_store).await;
+    seed(&batch_store).await;
+    let single = Executor::new(Arc::new(single_store.clone()), config()).unwrap();
+    // Small groups and few slots, so that records go in several groups.
+    let batched = Executor::new(
+        Arc::new(batch_store.clone()),
+        config().with_batch(
+            BatchConfig::default()
+                .with_concurrency(4)
+                .with_record_batch(3),
+        ),
+    )
+    .unwrap();
+    let msgs = mixed();
+
+    let mut expected = Vec::new();
+    for m in &msgs {
+        let payload = m.payload().to_vec();
+        let r = single
+            .run(
+                m,
+                |ctx| async move { behave(&payload, ctx.attempt()).await },
+            )
+            .await;
+        expected.push(format!("{r:?}"));
+    }
+    let got = batched
+        .run_batch(&msgs, |i, ctx| {
+            let payload = msgs[i].payload().to_vec();
+            async move { behave(&payload, ctx.attempt()).await }
+        })
+        .await
+        .unwrap();
+    let got: Vec<String> = got.iter().map(|r| format!("{r:?}")).collect();
+    assert_eq!(got.len(), msgs.len());
+    for (i, (got, expected)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(got, expected, "message {i}");
+    }
+    // And the stores hold the same records.
+    let ns = idem_core::Namespace::new("batch").unwrap();
+    for key in keys() {
+        let key = ns.key(key).unwrap();
+        let a = single_store.get(&key).await.unwrap().unwrap();
+        let b = batch_store.get(&key).await.unwrap().unwrap();
+        // Tokens are issued in another order across keys (the batch acquires its keys first).
+        let fields = |r: &Record| {
+            format!(
+                "{:?} {} {} {:?} {:?} {:?}",
+                r.state, r.attempts, r.owner, r.fingerprint, r.lease_expires_at, r.expires_at
+            )
+        };
+        assert_eq!(fields(&a), fields(&b), "record of {key}");
+    }
+    // The outcomes the comparison covers, spelled out.
+    assert!(expected[0].contains("Executed"), "{}", expected[0]);
+    assert!(expected[1].contains("Replayed"), "{}", expected[1]);
+    assert!(expected[2].contains("InProgress"), "{}", expected[2]);
+    assert!(expected[3].contains("Conflict"), "{}", expected[3]);
+    assert!(expected[4].contains("Exhausted"), "{}", expected[4]);
+    assert!(expected[5].contains("Failed"), "{}", expected[5]);
+    assert!(expected[6].contains("hello at 2"), "{}", expected[6]);
+    assert!(expected[7].contains("Decode"), "{}", expected[7]);
+    assert!(expected[8].contains("InvalidKey"), "{}", expected[8]);
+    assert!(expected[9].contains("MissingKey"), "{}", expected[9]);
+    assert!(expected[10].contains("Retry"), "{}", expected[10]);
+    assert!(expected[11].contains("Failed"), "{}", expected[11]);
+    assert!(expected[12].contains("panicked: true"), "{}", expected[12]);
+    assert!(expected[13].contains("Executed"), "{}", expected[13]);
+    assert!(expected[14].contains("Replayed"), "{}", expected[14]);
+    assert!(expected[15].contains("attempt: 2"), "{}", expected[15]);
+    assert!(expected[16].contains("Exhausted"), "{}", expected[16]);
+    assert!(expected[17].contains("Failed"), "{}", expected[17]);
+    assert!(expected[18].contains("Executed"), "{}", expected[18]);
+    assert!(expected[19].contains("Replayed"), "{}", expected[19]);
+}
+
+/// A store that counts the calls it is given, around a `MemoryStore`.
+#[derive(Debug, Default)]
+struct Counting {
+    inner: MemoryStore,
+    singles: AtomicUsize,
+    acquire_many: AtomicUsize,
+    complete_many: AtomicUsize,
+    fail_many: AtomicUsize,
+}
+
+#[async_trait]
+impl IdempotencyStore for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+    async fn acquire(&self, req: &AcquireRequest) -> idem_core::Result<AcquireOutcome> {
+        self.singles.fetch_add(1, Ordering::SeqCst);
+        self.inner.acquire(req).await
+    }
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> idem_core::Result<Lease> {
+        self.inner.extend(lease, ttl).await
+    }
+    async fn complete(
+        &self,
+        lease: &Lease,
+        result: Bytes,
+        retention: Duration,
+    ) -> idem_core::Result<()> {
+        self.singles.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete(lease, result, retention).await
+    }
+    async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        kind: FailureKind,
+        retention: Duration,
+    ) -> idem_core::Result<()> {
+        self.singles.fetch_add(1, Ordering::SeqCst);
+        self.inner.fail(lease, error, kind, retention).await
+    }
+    async fn release(&self, lease: &Lease) -> idem_core::Result<()> {
+        self.inner.release(lease).await
+    }
+    async fn acquire_many(
+        &self,
+        reqs: &[AcquireRequest],
+    ) -> idem_core::Result<Vec<idem_core::Result<AcquireOutcome>>> {
+        self.acquire_many.fetch_add(1, Ordering::SeqCst);
+        self.inner.acquire_many(reqs).await
+    }
+    async fn complete_many(
+        &self,
+        items: &[Completion],
+        retention: Duration,
+    ) -> idem_core::Result<Vec<idem_core::Result<()>>> {
+        self.complete_many.fetch_add(1, Ordering::SeqCst);
+        self.inner.complete_many(items, retention).await
+    }
+    async fn fail_many(
+        &self,
+        items: &[Failure],
+        retention: Duration,
+    ) -> idem_core::Result<Vec<idem_core::Result<()>>> {
+        self.fail_many.fetch_add(1, Ordering::SeqCst);
+        self.inner.fail_many(items, retention).await
+    }
+    async fn get(&self, key: &IdempotencyKey) -> idem_core::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &IdempotencyKey) -> idem_core::Result<bool> {
+        self.inner.delete(key).await
+    }
+    async fn list(&self, query: &ListQuery) -> idem_core::Result<Page> {
+        self.inner.list(query).await
+    }
+    async fn purge_expired(&self, limit: usize) -> idem_core::Result<u64> {
+        self.inner.purge_expired(limit).await
+    }
+}
+
+#[tokio::test]
+async fn a_batch_acquires_in_one_call_and_records_in_groups() {
+    let store = Arc::new(Counting::default());
+    let exec = Executor::new(store.clone(), config()).unwrap();
+    let msgs: Vec<RawMessage> = (0..100)
+        .map(|i| msg(&format!("k{i}"), if i % 10 == 0 { "retry" } else { "ok" }))
+        .collect();
+    let out = exec
+        .run_batch(&msgs, |i, ctx| {
+            let payload = msgs[i].payload().to_vec();
+            async move { behave(&payload, ctx.attempt()).await }
+        })
+        .await
+        .unwrap();
+    for (i, r) in out.iter().enumerate() {
+        match r {
+            Ok(Outcome::Retry { attempt: 1, .. }) if i % 10 == 0 => {}
+            Ok(Outcome::Executed(s)) if i % 10 != 0 => assert_eq!(s, "ok at 1"),
+            other => panic!("message {i}: {other:?}"),
+        }
+    }
+    assert_eq!(store.acquire_many.load(Ordering::SeqCst), 1);
+    assert_eq!(store.singles.load(Ordering::SeqCst), 0, "no single calls");
+    let completes = store.complete_many.load(Ordering::SeqCst);
+    let fails = store.fail_many.load(Ordering::SeqCst);
+    // 64 handlers at once (the default), all finishing at their first poll: two groups each.
+    assert!(
+        (1..=2).contains(&completes),
+        "{completes} complete_many calls"
+    );
+    assert!((1..=2).contains(&fails), "{fails} fail_many calls");
+}
+
+#[tokio::test]
+async fn a_batch_over_the_store_limit_is_refused_whole() {
+    let (clock_store, clock) = manual_store();
+    drop(clock_store);
+    let store = MemoryStore::with_options(clock, Limits::default().with_max_batch(3));
+    let exec = Executor::new(Arc::new(store.clone()), config()).unwrap();
+    let msgs: Vec<RawMessage> = (0..4).map(|i| msg(&format!("k{i}"), "x")).collect();
+    let ran = AtomicUsize::new(0);
+    let r = exec
+        .run_batch(&msgs, |_, _| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, HandlerError>(1u8) }
+        })
+        .await;
+    assert_eq!(r.unwrap_err(), BatchError::TooLarge { len: 4, max: 3 });
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    assert!(store.is_empty(), "nothing written");
+    // At the limit it runs.
+    let r = exec
+        .run_batch(&msgs[..3], |_, _| async { Ok::<_, HandlerError>(1u8) })
+        .await
+        .unwrap();
+    assert!(r.iter().all(|r| matches!(r, Ok(Outcome::Executed(1)))));
+}
+
+#[tokio::test]
+async fn a_record_batch_over_the_store_limit_is_a_config_error() {
+    let store = MemoryStore::new();
+    let e = Executor::new(
+        Arc::new(store),
+        config().with_batch(BatchConfig::default().with_record_batch(101)),
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "batch");
+    let e = Executor::new(
+        Arc::new(MemoryStore::new()),
+        config().with_batch(BatchConfig::default().with_concurrency(0)),
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "batch");
+}
+
+// A real clock and short leases: a slow handler keeps its lease by heartbeats, and so does a
+// message waiting behind it for the only handler slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_heartbeat_through_a_slow_handler_and_while_waiting_for_a_slot() {
+    let store = MemoryStore::new();
+    let lease = Duration::from_millis(150);
+    let config = ExecutorConfig::new("slow")
+        .with_lease_ttl(lease)
+        .with_heartbeat_interval(Duration::from_millis(30));
+    let batched = Executor::new(
+        Arc::new(store.clone()),
+        config
+            .clone()
+            .with_owner("batch")
+            .with_batch(BatchConfig::default().with_concurrency(1)),
+    )
+    .unwrap();
+    let other = Executor::new(Arc::new(store.clone()), config.with_owner("other")).unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (started_tx, started_rx) = oneshot::channel::<()>();
+    let task = {
+        let (done, runs) = (done.clone(), runs.clone());
+        let started_tx = std::sync::Mutex::new(Some(started_tx));
+        tokio::spawn(async move {
+            let msgs = vec![msg("slow", "slow"), msg("queued", "queued")];
+            let out = batched
+                .run_batch(&msgs, |i, ctx| {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    if let Some(started) = started_tx.lock().unwrap().take() {
+                        started.send(()).unwrap();
+                    }
+                    async move {
+                        if i == 0 {
+                            tokio::time::sleep(lease * 3).await;
+                        }
+                        assert!(!ctx.is_cancelled());
+                        assert!(!ctx.is_takeover());
+                        Ok::<_, HandlerError>(i)
+                    }
+                })
+                .await
+                .unwrap();
+            done.store(true, Ordering::SeqCst);
+            out
+        })
+    };
+    started_rx.await.unwrap();
+    let mut busy = 0;
+    while !done.load(Ordering::SeqCst) {
+        for key in ["slow", "queued"] {
+            let r = other
+                .run(&msg(key, key), |_| async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, HandlerError>(99usize)
+                })
+                .await
+                .unwrap();
+            match r {
+                Outcome::InProgress { ref owner, .. } => {
+                    assert_eq!(owner, "batch");
+                    busy += 1;
+                }
+                Outcome::Replayed(_) => {}
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    let out = task.await.unwrap();
+    assert!(matches!(out[0], Ok(Outcome::Executed(0))), "{:?}", out[0]);
+    assert!(matches!(out[1], Ok(Outcome::Executed(1))), "{:?}", out[1]);
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "nobody else ran them");
+    assert!(
+        busy >= 10,
+        "the other worker kept finding them busy: {busy}"
+    );
+    for key in ["slow", "queued"] {
+        let record = store
+            .get(&other.namespace().key(key).unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(record.attempts, 1, "{key}");
+        assert!(matches!(record.state, RecordState::Completed { .. }));
+    }
+}
+
+// Current-thread runtime and a manual store clock: the takeover happens exactly while the
+// batch's handler waits.
+#[tokio::test]
+async fn a_superseded_lease_in_a_batch_is_refused_for_its_key_alone() {
+    let (store, clock) = manual_store();
+    let batched = Executor::new(Arc::new(store.clone()), config()).unwrap();
+    let rescuer = Executor::new(Arc::new(store.clone()), config().with_owner("rescuer")).unwrap();
+    let (started_tx, started_rx) = oneshot::channel::<()>();
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let started_tx = std::sync::Mutex::new(Some(started_tx));
+    let go_rx = std::sync::Mutex::new(Some(go_rx));
+    let msgs = vec![msg("stalled", "a"), msg("quick", "b")];
+    let batch = batched.run_batch(&msgs, |i, _ctx| {
+        let started = started_tx.lock().unwrap().take().filter(|_| i == 0);
+        let go = go_rx.lock().unwrap().take().filter(|_| i == 0);
+        async move {
+            if let (Some(started), Some(go)) = (started, go) {
+                started.send(()).unwrap();
+                go.await.unwrap();
+            }
+            Ok::<_, HandlerError>(format!("batch {i}"))
+        }
+    });
+    let takeover = async {
+        started_rx.await.unwrap();
+        clock.advance(Duration::from_secs(31));
+        let r = rescuer
+            .run(&msg("stalled", "a"), |ctx| async move {
+                assert!(ctx.is_takeover());
+                Ok::<_, HandlerError>("rescued".to_owned())
+            })
+            .await
+            .unwrap();
+        assert!(matches!(r, Outcome::Executed(_)), "{r:?}");
+        go_tx.send(()).unwrap();
+    };
+    let (out, ()) = tokio::join!(batch, takeover);
+    let out = out.unwrap();
+    assert!(
+        matches!(out[0], Ok(Outcome::LeaseLost { .. })),
+        "{:?}",
+        out[0]
+    );
+    assert!(
+        matches!(&out[1], Ok(Outcome::Executed(s)) if s == "batch 1"),
+        "{:?}",
+        out[1]
+    );
+    let record = store
+        .get(&batched.namespace().key("stalled").unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    match record.state {
+        RecordState::Completed { result, .. } => assert_eq!(&result[..], b"\"rescued\""),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_store_outage_fails_each_message_as_a_single_call_would() {
+    let (single_store, _c1) = manual_store();
+    let (batch_store, _c2) = manual_store();
+    single_store.set_available(false);
+    batch_store.set_available(false);
+    let single = Executor::new(Arc::new(single_store), config()).unwrap();
+    let batched = Executor::new(Arc::new(batch_store), config()).unwrap();
+    let msgs = vec![
+        msg("a", "x"),
+        msg("b", "y"),
+        RawMessage::new("no key".to_owned()),
+    ];
+    let mut expected = Vec::new();
+    for m in &msgs {
+        let r = single
+            .run(m, |_| async { Ok::<_, HandlerError>(1u8) })
+            .await;
+        expected.push(format!("{r:?}"));
+    }
+    let ran = AtomicUsize::new(0);
+    let got = batched
+        .run_batch(&msgs, |_, _| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, HandlerError>(1u8) }
+        })
+        .await
+        .unwrap();
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "fail closed: no handler ran");
+    for (i, r) in got.iter().enumerate() {
+        assert!(
+            matches!(
+                r,
+                Err(idem_executor::ExecutorError::Store {
+                    handler_ran: false,
+                    ..
+                }) | Err(idem_executor::ExecutorError::MissingKey)
+            ),
+            "{r:?}"
+        );
+        // The same kind of error; the batch's wraps the one error of its single store call.
+        assert_eq!(
+            expected[i].split_once('{').map(|(kind, _)| kind.to_owned()),
+            format!("{r:?}")
+                .split_once('{')
+                .map(|(kind, _)| kind.to_owned()),
+        );
+    }
+}
+
+#[test]
+fn run_batch_future_is_send_for_send_handlers() {
+    fn assert_send<T: Send>(_: &T) {}
+    let exec = Executor::new(Arc::new(MemoryStore::new()), config()).unwrap();
+    let msgs = vec![msg("a", "x")];
+    let fut = exec.run_batch(&msgs, |i, _| async move { Ok::<_, HandlerError>(i) });
+    assert_send(&fut);
+}

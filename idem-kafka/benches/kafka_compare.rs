@@ -1,0 +1,241 @@
+//! The runner against what a consumer can do by hand, on the same topic in the same run.
+//!
+//! ```text
+//! scripts/services.sh kafka redis
+//! cargo bench -p idem-kafka --bench kafka_compare
+//! IDEM_BENCH_RECORDS=20000 cargo bench -p idem-kafka --bench kafka_compare
+//! ```
+//!
+//! For 1 and 3 partitions, one topic of `IDEM_BENCH_RECORDS` records (default 100,000), every
+//! key fresh, read by three consumer groups one after the other:
+//!
+//! 1. **raw**: an rdkafka consumer that only counts the records (no store), for scale;
+//! 2. **hand-written**: an rdkafka consumer that dedupes each poll batch (what one poll returns
+//!    at once, up to 1,000 records) in Redis with one pipeline of `SET key 1 NX PX 30000`, then one
+//!    pipeline of `SET key done EX 86400` for the keys it got, and commits offsets every second:
+//!    the cheapest dedupe there is, with none of the runner's guarantees (no fencing, no
+//!    heartbeats, no replayed results, no dead letters);
+//! 3. **runner**: `KafkaRunner` with a `RedisStore`, default options (`max_in_flight` set to the
+//!    partition count) and a no-op handler.
+//!
+//! Each figure is records per second from the first record received to the last one processed
+//! (the group join excluded). Prints the three, and the ratio runner / hand-written.
+//! Endpoints as in the tests (`IDEM_KAFKA_BROKERS`, `IDEM_REDIS_URL`); without them it prints one
+//! "skipped" line (with `CI=true`: fails).
+#![allow(missing_docs)]
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::*;
+use idem_executor::{ExecutorConfig, HandlerContext, HandlerError};
+use idem_kafka::{KafkaMessage, KafkaRunner, RunnerOptions};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+
+/// Longest wait for one consumer to read the topic.
+const LIMIT: Duration = Duration::from_secs(900);
+/// Most records the hand-written consumer takes from one poll batch.
+const POLL_BATCH: usize = 1000;
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn consumer(group: &str, topic: &str) -> BaseConsumer {
+    let consumer: BaseConsumer = consumer_config(group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    consumer.subscribe(&[topic]).expect("subscribe");
+    consumer
+}
+
+/// Records per second of a consumer that only counts.
+fn raw(topic: &str, records: usize) -> f64 {
+    let consumer = consumer(&unique("raw"), topic);
+    let started = Instant::now();
+    let mut first = None;
+    let mut seen = 0;
+    while seen < records {
+        assert!(started.elapsed() < LIMIT, "raw consumer stalled at {seen}");
+        if let Some(m) = consumer.poll(Duration::from_millis(100)) {
+            m.expect("record");
+            first.get_or_insert_with(Instant::now);
+            seen += 1;
+        }
+    }
+    let first = first.unwrap_or(started);
+    (records - 1) as f64 / first.elapsed().as_secs_f64()
+}
+
+/// Records per second of the hand-written pipelined `SET NX` + `SET` consumer.
+async fn hand_written(topic: &str, records: usize) -> f64 {
+    let consumer = consumer(&unique("hand"), topic);
+    let mut redis = redis_conn().await;
+    let prefix = unique("hand");
+    let started = Instant::now();
+    let mut first = None;
+    let mut seen = 0;
+    let mut next_offsets: HashMap<i32, i64> = HashMap::new();
+    let mut last_commit = Instant::now();
+    let mut batch: Vec<(i32, i64, String)> = Vec::with_capacity(POLL_BATCH);
+    while seen < records {
+        assert!(
+            started.elapsed() < LIMIT,
+            "hand-written consumer stalled at {seen}"
+        );
+        batch.clear();
+        let mut wait = Duration::from_millis(100);
+        while batch.len() < POLL_BATCH {
+            let Some(m) = consumer.poll(wait) else { break };
+            let m = m.expect("record");
+            first.get_or_insert_with(Instant::now);
+            let key = format!(
+                "{prefix}:{}",
+                String::from_utf8_lossy(m.key().expect("keyed record"))
+            );
+            batch.push((m.partition(), m.offset(), key));
+            // The rest of what the client already holds, without waiting.
+            wait = Duration::ZERO;
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let mut claim = redis::pipe();
+        for (_, _, key) in &batch {
+            claim
+                .cmd("SET")
+                .arg(key)
+                .arg("1")
+                .arg("NX")
+                .arg("PX")
+                .arg(30_000);
+        }
+        let claimed: Vec<Option<String>> = claim.query_async(&mut redis).await.expect("SET NX");
+        let mut finish = redis::pipe();
+        let mut finished = 0;
+        for ((_, _, key), claimed) in batch.iter().zip(&claimed) {
+            if claimed.is_some() {
+                // The no-op handler would run here.
+                finish
+                    .cmd("SET")
+                    .arg(key)
+                    .arg("done")
+                    .arg("EX")
+                    .arg(86_400)
+                    .ignore();
+                finished += 1;
+            }
+        }
+        if finished > 0 {
+            let () = finish.query_async(&mut redis).await.expect("SET");
+        }
+        for (partition, offset, _) in &batch {
+            next_offsets.insert(*partition, offset + 1);
+        }
+        seen += batch.len();
+        if last_commit.elapsed() >= Duration::from_secs(1) {
+            let mut tpl = TopicPartitionList::new();
+            for (&partition, &offset) in &next_offsets {
+                tpl.add_partition_offset(topic, partition, Offset::Offset(offset))
+                    .expect("offset");
+            }
+            consumer.commit(&tpl, CommitMode::Async).expect("commit");
+            last_commit = Instant::now();
+        }
+    }
+    let first = first.unwrap_or(started);
+    (records - 1) as f64 / first.elapsed().as_secs_f64()
+}
+
+/// Records per second of the runner with Redis.
+async fn runner(topic: &str, records: usize, partitions: usize) -> f64 {
+    let store = shared(redis_store(&format!("{}:", unique("idem-kafka-compare"))).await);
+    let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
+    let runner = KafkaRunner::builder(
+        consumer_config(&unique("runner")),
+        executor(store, ExecutorConfig::new("compare")),
+        handler,
+    )
+    .topic(topic)
+    .options(RunnerOptions::default().with_max_in_flight(partitions))
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let started = Instant::now();
+    let task = tokio::spawn(runner.run(async {
+        let _ = rx.await;
+    }));
+    let mut first = None;
+    while stats.resolved() < records as u64 {
+        if first.is_none() && stats.received() > 0 {
+            first = Some(Instant::now());
+        }
+        assert!(started.elapsed() < LIMIT, "runner stalled: {stats:?}");
+        assert!(!task.is_finished(), "the runner stopped: {:?}", task.await);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let rate = (records - 1) as f64 / first.unwrap_or(started).elapsed().as_secs_f64();
+    let _ = tx.send(());
+    task.await.expect("runner task").expect("runner");
+    assert_eq!(stats.executed(), records as u64, "{stats:?}");
+    rate
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    let records = env_or("IDEM_BENCH_RECORDS", 100_000);
+    let mut rows = Vec::new();
+    for partitions in [1, 3] {
+        let topic = unique("compare");
+        create_topic(&topic, partitions).await;
+        let recs: Vec<Rec> = (0..records)
+            .map(|i| {
+                Rec::keyed(
+                    i as i32 % partitions,
+                    &format!("k{i}"),
+                    format!("{{\"n\":{i}}}"),
+                )
+            })
+            .collect();
+        let t = Instant::now();
+        produce(&topic, &recs).await;
+        eprintln!(
+            "produced {records} records on {partitions} partitions in {:?}",
+            t.elapsed()
+        );
+        let raw_topic = topic.clone();
+        let raw = tokio::task::spawn_blocking(move || raw(&raw_topic, records))
+            .await
+            .expect("raw consumer");
+        eprintln!("  raw: {raw:.0} records/s");
+        let hand = hand_written(&topic, records).await;
+        eprintln!("  hand-written: {hand:.0} records/s");
+        let ours = runner(&topic, records, partitions as usize).await;
+        eprintln!("  runner: {ours:.0} records/s");
+        rows.push((partitions, raw, hand, ours));
+    }
+    println!("kafka_compare: {records} records, every key fresh, no-op handler, Redis store:");
+    println!(
+        "| partitions | raw rdkafka, no store | hand-written SET NX + SET | runner | runner / hand-written |"
+    );
+    println!("|---|---|---|---|---|");
+    for (partitions, raw, hand, ours) in rows {
+        println!(
+            "| {partitions} | {raw:.0} | {hand:.0} | {ours:.0} | {:.2}x |",
+            ours / hand
+        );
+    }
+}
