@@ -30,6 +30,10 @@ use idem_executor::{Executor, ExecutorConfig, HandlerContext, HandlerError, Mess
 use idem_redis::{RedisConfig, RedisStore};
 use tokio_util::sync::CancellationToken;
 
+/// How long the bench's records (ours and the hand-written consumer's) stay in the shared
+/// server: long enough for the run, short enough not to crowd the server for later runs.
+const RECORD_TTL: std::time::Duration = std::time::Duration::from_secs(600);
+
 const PREFETCH: u16 = 64;
 
 fn amqp_url() -> String {
@@ -272,7 +276,7 @@ async fn hand_written(
                     .arg(&key)
                     .arg(result)
                     .arg("PX")
-                    .arg(86_400_000)
+                    .arg(RECORD_TTL.as_millis() as u64)
                     .query_async(&mut redis)
                     .await
                     .unwrap();
@@ -287,7 +291,11 @@ async fn with_runner(url: String, queue: String, prefix: String) -> Instant {
     let store = RedisStore::connect_with(&redis_url(), RedisConfig::default().with_prefix(prefix))
         .await
         .unwrap();
-    let executor = Executor::new(Arc::new(store), ExecutorConfig::new("bench")).unwrap();
+    let executor = Executor::new(
+        Arc::new(store),
+        ExecutorConfig::new("bench").with_retention(RECORD_TTL),
+    )
+    .unwrap();
     let handler = |msg: AmqpMessage, _ctx: HandlerContext| async move {
         Ok::<_, HandlerError>(format!("handled {} bytes", msg.payload().len()))
     };

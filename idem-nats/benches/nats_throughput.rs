@@ -30,6 +30,10 @@ use idem_redis::{RedisConfig, RedisStore};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+/// How long the bench's records (ours and the hand-written consumer's) stay in the shared
+/// server: long enough for the run, short enough not to crowd the server for later runs.
+const RECORD_TTL: std::time::Duration = std::time::Duration::from_secs(600);
+
 const IN_FLIGHT: usize = 64;
 
 fn nats_url() -> String {
@@ -288,7 +292,7 @@ async fn hand_written(
                     .arg(&key)
                     .arg(result)
                     .arg("PX")
-                    .arg(86_400_000)
+                    .arg(RECORD_TTL.as_millis() as u64)
                     .query_async(&mut redis)
                     .await
                     .unwrap();
@@ -313,7 +317,11 @@ async fn with_runner(
         ),
         None => Arc::new(idem_core::MemoryStore::new()),
     };
-    let executor = Executor::new(store, ExecutorConfig::new("bench")).unwrap();
+    let executor = Executor::new(
+        store,
+        ExecutorConfig::new("bench").with_retention(RECORD_TTL),
+    )
+    .unwrap();
     let handler = |msg: NatsMessage, _ctx: HandlerContext| async move {
         Ok::<_, HandlerError>(format!("handled {} bytes", msg.payload().len()))
     };

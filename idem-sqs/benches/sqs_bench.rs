@@ -28,6 +28,10 @@ use idem_sqs::aws_sdk_sqs::{self, Client};
 use idem_sqs::{RunnerOptions, SqsMessage, SqsRunner};
 use tokio_util::sync::CancellationToken;
 
+/// How long the bench's records (ours and the hand-written consumer's) stay in the shared
+/// server: long enough for the run, short enough not to crowd the server for later runs.
+const RECORD_TTL: std::time::Duration = std::time::Duration::from_secs(600);
+
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -161,7 +165,11 @@ async fn runner(
     let store = RedisStore::connect_with(redis, RedisConfig::default().with_prefix(prefix))
         .await
         .expect("redis");
-    let executor = Executor::new(Arc::new(store), ExecutorConfig::new("bench")).unwrap();
+    let executor = Executor::new(
+        Arc::new(store),
+        ExecutorConfig::new("bench").with_retention(RECORD_TTL),
+    )
+    .unwrap();
     let handler =
         |_msg: SqsMessage, ctx: HandlerContext| async move { Ok::<_, HandlerError>(ctx.attempt()) };
     let runner = SqsRunner::builder(client.clone(), url, executor, handler)
