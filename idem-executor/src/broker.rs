@@ -5,7 +5,8 @@
 //!   executor call for a delivery with the handler wrapped for a *lost* delivery (its channel
 //!   closed, its partition was revoked, or the drain timed out): a lease whose handler had not
 //!   started is released (no attempt counted), a running handler is let finish for half the
-//!   orphan timeout, then signalled, and its lease is never released.
+//!   orphan timeout, then signalled, and its lease is never released; [`Execution::try_batch`]
+//!   does the same for a batch of deliveries in one [`Executor::run_batch`] call.
 //! - [`drain`]: waits for the delivery tasks at shutdown, marks the rest lost at the drain
 //!   timeout and aborts what is still there one orphan timeout later.
 //! - [`classify`] and the dead-letter header names ([`HEADER_REASON`], [`HEADER_ERROR`],
@@ -34,7 +35,8 @@ use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    Codec, DeadLetterReason, Executor, ExecutorError, Handler, Message, Outcome, Recorder,
+    Codec, DeadLetterReason, Executor, ExecutorError, Handler, HandlerError, Message, Outcome,
+    Recorder, StoreStage,
 };
 
 /// Dead-letter header (or attribute) naming why the message was dead-lettered: a
@@ -360,6 +362,135 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
         }
     }
 
+    /// One executor batch ([`Executor::run_batch`]) for `msgs`: one [`Step`] per message, in
+    /// order, each handler wrapped for a lost delivery as in [`try_once`](Self::try_once), with
+    /// one difference where the lease of a handler that had not started cannot be released (the
+    /// release failed or timed out): a single call is dropped and its lease left to expire, but
+    /// the other messages of a batch must still be recorded, so that message's handler reports a
+    /// retryable failure instead ([`Step::Done`]: one attempt counted, as a takeover after the
+    /// lease expired would count it, and the key is free at once).
+    ///
+    /// Once `lost` is cancelled the whole call gets most of the orphan timeout; then it is
+    /// dropped and every message not yet answered is [`Step::Abandoned`] (leases left to expire).
+    ///
+    /// `msgs` holds at most [`max_batch`](Self::max_batch) messages; a larger slice gets a
+    /// [`ExecutorError::Store`] per message (stage acquire, handler not run).
+    pub async fn try_batch<M, T>(
+        &self,
+        msgs: &[M],
+        lost: &CancellationToken,
+        timeouts: LostTimeouts,
+    ) -> Vec<Step<T>>
+    where
+        M: Message + Clone + Send + Sync + 'static,
+        H: Handler<M, R::Returns<T>>,
+        T: Serialize + DeserializeOwned + Send + 'static,
+    {
+        let attempts: Vec<AtomicU32> = msgs.iter().map(|_| AtomicU32::new(0)).collect();
+        let released: Vec<AtomicBool> = msgs.iter().map(|_| AtomicBool::new(false)).collect();
+        let (attempts_ref, released_ref) = (&attempts, &released);
+        let call = self.executor.run_batch(msgs, |i, ctx| {
+            attempts_ref[i].store(ctx.attempt(), Ordering::Relaxed);
+            let handler = Arc::clone(&self.handler);
+            let store = self.executor.store().clone();
+            let record = msgs[i].clone();
+            let watched = lost.clone();
+            async move {
+                if !watched.is_cancelled() {
+                    let cancel = ctx.cancellation_token().clone();
+                    let mut run = std::pin::pin!(handler.call(record, ctx));
+                    tokio::select! {
+                        biased;
+                        result = &mut run => return result,
+                        () = watched.cancelled() => {}
+                    }
+                    // Lost while it runs: let it finish, then ask it to stop. Never release.
+                    if let Ok(result) = tokio::time::timeout(timeouts.orphan / 2, &mut run).await {
+                        return result;
+                    }
+                    tracing::warn!(
+                        "delivery lost: the handler is still running; signalling its cancellation token"
+                    );
+                    cancel.cancel();
+                    return run.await;
+                }
+                // Lost before the handler was called: give the key back without counting an
+                // attempt; the failure reported next is refused on the released lease.
+                if let Some(lease) = ctx.lease().cloned() {
+                    match tokio::time::timeout(timeouts.release, store.release(&lease)).await {
+                        Ok(Ok(())) => {
+                            released_ref[i].store(true, Ordering::Relaxed);
+                            tracing::info!(key = %lease.key, token = %lease.token, "delivery lost before the handler started: lease released");
+                        }
+                        Ok(Err(e)) => {
+                            tracing::warn!(key = %lease.key, error = %e, "delivery lost: lease release failed; recording a retryable failure instead");
+                        }
+                        Err(_) => {
+                            tracing::warn!(key = %lease.key, "delivery lost: lease release timed out; recording a retryable failure instead");
+                        }
+                    }
+                }
+                Err(HandlerError::retryable(
+                    "the delivery was lost before the handler started",
+                ))
+            }
+        });
+        let lost = lost.clone();
+        let deadline = async move {
+            lost.cancelled().await;
+            tokio::time::sleep(timeouts.orphan.mul_f64(0.9)).await;
+        };
+        let results = tokio::select! {
+            biased;
+            results = call => results,
+            () = deadline => {
+                tracing::warn!(
+                    messages = msgs.len(),
+                    "delivery lost: the executor batch did not end in time and is dropped; its leases (not released) expire and the next owners take them over"
+                );
+                return msgs.iter().map(|_| Step::Abandoned { lease_released: false }).collect();
+            }
+        };
+        let results = match results {
+            Ok(results) => results,
+            Err(e) => {
+                let retry_after = self.executor.config().retry_delay;
+                msgs.iter()
+                    .map(|_| {
+                        Err(ExecutorError::Store {
+                            stage: StoreStage::Acquire,
+                            handler_ran: false,
+                            retry_after,
+                            source: idem_core::Error::invalid("batch", e.to_string()),
+                        })
+                    })
+                    .collect()
+            }
+        };
+        results
+            .into_iter()
+            .zip(attempts.into_iter().zip(released))
+            .map(|(result, (attempt, released))| {
+                if released.into_inner() {
+                    Step::Abandoned {
+                        lease_released: true,
+                    }
+                } else {
+                    Step::Done {
+                        result,
+                        attempt: attempt.into_inner(),
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// The largest batch [`try_batch`](Self::try_batch) takes: the store's
+    /// [`max_batch`](idem_core::Limits::max_batch).
+    pub fn max_batch(&self) -> usize {
+        self.executor.store().limits().max_batch
+    }
+
     /// The message's idempotency key id, when it has a readable one (for the dead-letter
     /// [`HEADER_KEY`]).
     pub fn key_id<M: Message>(&self, msg: &M) -> Option<String> {
@@ -602,6 +733,130 @@ mod tests {
         assert!(
             matches!(state(&store).await, (RecordState::InProgress, _)),
             "left to expire"
+        );
+    }
+
+    fn keyed(id: &str) -> RawMessage {
+        RawMessage::new("{}").with_header("idempotency-key", id.to_owned())
+    }
+
+    #[tokio::test]
+    async fn a_batch_gives_each_message_its_step_and_releases_what_had_not_started() {
+        let store = Arc::new(MemoryStore::new());
+        // One handler slot: "a" runs first and marks the batch lost; "b" then finds it lost
+        // before its handler starts.
+        let lost = CancellationToken::new();
+        let on_start = lost.clone();
+        let executor = Executor::new(
+            store.clone(),
+            ExecutorConfig::new("t").with_batch(crate::BatchConfig::default().with_concurrency(1)),
+        )
+        .unwrap();
+        let exec = Execution::new(
+            executor,
+            Box::new(move |_: RawMessage, ctx: HandlerContext| {
+                let on_start = on_start.clone();
+                Box::pin(async move {
+                    on_start.cancel();
+                    Ok(ctx.attempt())
+                }) as futures::future::BoxFuture<'static, Result<u32, HandlerError>>
+            }) as BoxedHandler,
+        );
+        let msgs = [keyed("a"), keyed("b")];
+        let steps = exec.try_batch::<_, u32>(&msgs, &lost, TIMEOUTS).await;
+        assert!(
+            matches!(
+                steps[0],
+                Step::Done {
+                    result: Ok(Outcome::Executed(1)),
+                    attempt: 1
+                }
+            ),
+            "{:?}",
+            steps[0]
+        );
+        assert!(
+            matches!(
+                steps[1],
+                Step::Abandoned {
+                    lease_released: true
+                }
+            ),
+            "{:?}",
+            steps[1]
+        );
+        let ns = Namespace::new("t").unwrap();
+        let b = store.get(&ns.key("b").unwrap()).await.unwrap().unwrap();
+        assert_eq!(
+            (b.state, b.attempts),
+            (RecordState::Released, 0),
+            "released, its attempt not counted"
+        );
+        // The next delivery of "b" acquires it at once.
+        let again = exec
+            .try_batch::<_, u32>(&[keyed("b")], &CancellationToken::new(), TIMEOUTS)
+            .await;
+        assert!(matches!(
+            again[0],
+            Step::Done {
+                result: Ok(Outcome::Executed(_)),
+                ..
+            }
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_batch_past_the_orphan_timeout_is_abandoned_whole() {
+        let store = Arc::new(MemoryStore::new());
+        let (exec, lost) = lost_once_started(store.clone(), std::future::pending());
+        let steps = exec.try_batch::<_, u32>(&[msg()], &lost, TIMEOUTS).await;
+        assert!(
+            matches!(
+                steps[..],
+                [Step::Abandoned {
+                    lease_released: false
+                }] | [Step::Done {
+                    result: Ok(Outcome::LeaseLost { .. }),
+                    ..
+                }]
+            ),
+            "{steps:?}"
+        );
+        assert!(
+            matches!(state(&store).await, (RecordState::InProgress, _)),
+            "left to expire"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_batch_over_the_store_limit_answers_each_message_with_a_store_error() {
+        let store = Arc::new(MemoryStore::new());
+        let exec = execution(store.clone(), |_, ctx| {
+            Box::pin(async move { Ok(ctx.attempt()) })
+        });
+        let msgs: Vec<_> = (0..=exec.max_batch())
+            .map(|i| keyed(&format!("k{i}")))
+            .collect();
+        let steps = exec
+            .try_batch::<_, u32>(&msgs, &CancellationToken::new(), TIMEOUTS)
+            .await;
+        assert_eq!(steps.len(), msgs.len());
+        assert!(steps.iter().all(|s| matches!(
+            s,
+            Step::Done {
+                result: Err(ExecutorError::Store {
+                    handler_ran: false,
+                    ..
+                }),
+                attempt: 0
+            }
+        )));
+        assert!(
+            store
+                .get(&Namespace::new("t").unwrap().key("k0").unwrap())
+                .await
+                .unwrap()
+                .is_none()
         );
     }
 

@@ -118,16 +118,23 @@ async fn bench() {
     );
 
     let name = format!("bench_runner_{run}");
+    let requests = Arc::new(AtomicU64::new(0));
     let runner = Box::pin(measure(
         &js,
         &name,
         &keys,
-        with_runner(client.clone(), name.clone(), n, Some(format!("{name}:"))),
+        with_runner(
+            client.clone(),
+            name.clone(),
+            n,
+            Some((format!("{name}:"), Arc::clone(&requests))),
+        ),
     ))
     .await;
     println!(
-        "  NatsRunner + RedisStore:         {:>9.0} msg/s",
-        rate(n, runner)
+        "  NatsRunner + RedisStore:         {:>9.0} msg/s ({:.2} store requests per message)",
+        rate(n, runner),
+        requests.load(Ordering::Relaxed) as f64 / n as f64
     );
 
     let name = format!("bench_memory_{run}");
@@ -302,19 +309,24 @@ async fn hand_written(
     .await
 }
 
-/// The runner over the Redis store under `prefix`, or over a `MemoryStore` (`None`).
+/// The runner over the Redis store under a prefix (then the requests it sent are stored in the
+/// counter given), or over a `MemoryStore` (`None`).
 async fn with_runner(
     client: async_nats::Client,
     name: String,
     total: usize,
-    prefix: Option<String>,
+    redis: Option<(String, Arc<AtomicU64>)>,
 ) -> Instant {
-    let store: idem_core::DynStore = match prefix {
-        Some(prefix) => Arc::new(
-            RedisStore::connect_with(&redis_url(), RedisConfig::default().with_prefix(prefix))
-                .await
-                .unwrap(),
-        ),
+    let mut counted = None;
+    let store: idem_core::DynStore = match redis {
+        Some((prefix, requests)) => {
+            let store =
+                RedisStore::connect_with(&redis_url(), RedisConfig::default().with_prefix(prefix))
+                    .await
+                    .unwrap();
+            counted = Some((store.clone(), requests));
+            Arc::new(store)
+        }
         None => Arc::new(idem_core::MemoryStore::new()),
     };
     let executor = Executor::new(
@@ -326,7 +338,16 @@ async fn with_runner(
         Ok::<_, HandlerError>(format!("handled {} bytes", msg.payload().len()))
     };
     let runner = NatsRunner::builder(client, name, "workers", executor, handler)
-        .options(RunnerOptions::default().with_max_in_flight(IN_FLIGHT))
+        .options(
+            RunnerOptions::default()
+                .with_max_in_flight(IN_FLIGHT)
+                .with_max_batch(
+                    std::env::var("IDEM_NATS_BENCH_MAX_BATCH")
+                        .ok()
+                        .and_then(|s| s.parse().ok())
+                        .unwrap_or(64),
+                ),
+        )
         .build()
         .unwrap();
     let stats = runner.stats();
@@ -341,5 +362,9 @@ async fn with_runner(
         settled
     });
     runner.run(stop.cancelled_owned()).await.unwrap();
-    watcher.await.unwrap()
+    let settled = watcher.await.unwrap();
+    if let Some((store, requests)) = counted {
+        requests.store(store.requests_sent(), Ordering::Relaxed);
+    }
+    settled
 }

@@ -49,10 +49,18 @@ impl DeadLetterSubject {
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct RunnerOptions {
-    /// Messages processed at once (default 16), each in its own task. The runner pulls only as
-    /// many messages as it has free slots, so none waits in a client buffer with its ack deadline
-    /// running.
+    /// Messages processed at once (default 16). The runner pulls only as many messages as it
+    /// has free slots, so none waits in a client buffer with its ack deadline running.
     pub max_in_flight: usize,
+    /// Largest group of messages run through one executor batch (default 64; at least 1, at
+    /// most the store's [`max_batch`](idem_core::Limits::max_batch)). The
+    /// messages a pull has brought and that are at hand together form a group: their keys are
+    /// acquired in one store call, their handlers run concurrently, their results are recorded
+    /// in grouped calls, and each message is settled once the whole group has its outcomes
+    /// (progress acks hold every message of the group meanwhile). `1` runs and settles each
+    /// message on its own (two store round trips per message; a slow handler then holds back no
+    /// other message's ack).
+    pub max_batch: usize,
     /// How long one pull request waits for messages (default 1 s): the idle pace of pull
     /// requests, and the longest a shutdown waits for the pull in flight.
     pub pull_expiry: Duration,
@@ -106,6 +114,7 @@ impl Default for RunnerOptions {
     fn default() -> Self {
         Self {
             max_in_flight: 16,
+            max_batch: 64,
             pull_expiry: Duration::from_secs(1),
             create_consumer: true,
             ack_wait: Duration::from_secs(30),
@@ -128,6 +137,12 @@ impl RunnerOptions {
     /// Sets [`max_in_flight`](Self::max_in_flight).
     pub fn with_max_in_flight(mut self, n: usize) -> Self {
         self.max_in_flight = n;
+        self
+    }
+
+    /// Sets [`max_batch`](Self::max_batch).
+    pub fn with_max_batch(mut self, n: usize) -> Self {
+        self.max_batch = n;
         self
     }
 
@@ -229,9 +244,19 @@ impl RunnerOptions {
         &self,
         heartbeat: Duration,
         max_attempts: u32,
+        store_max_batch: usize,
     ) -> Result<(), RunnerError> {
         if self.max_in_flight == 0 {
             return Err(RunnerError::config("max_in_flight", "must be at least 1"));
+        }
+        if self.max_batch == 0 || self.max_batch > store_max_batch {
+            return Err(RunnerError::config(
+                "max_batch",
+                format!(
+                    "{} is not within 1 and the store's max_batch {store_max_batch}",
+                    self.max_batch
+                ),
+            ));
         }
         broker::check_delays("retry_delay", self.min_retry_delay, self.max_retry_delay)?;
         broker::check_delays(
@@ -319,11 +344,12 @@ mod tests {
 
     #[test]
     fn ack_wait_must_exceed_the_heartbeat_and_max_deliver_the_attempts() {
-        assert!(RunnerOptions::default().validate(HB, 5).is_ok());
-        let field = |o: RunnerOptions, hb: Duration, attempts: u32| match o.validate(hb, attempts) {
-            Err(RunnerError::Config { field, .. }) => field,
-            other => panic!("{other:?}"),
-        };
+        assert!(RunnerOptions::default().validate(HB, 5, 1000).is_ok());
+        let field =
+            |o: RunnerOptions, hb: Duration, attempts: u32| match o.validate(hb, attempts, 1000) {
+                Err(RunnerError::Config { field, .. }) => field,
+                other => panic!("{other:?}"),
+            };
         let o = RunnerOptions::default().with_ack_wait(Duration::from_secs(10));
         assert_eq!(field(o, HB, 5), "ack_wait");
         let o = RunnerOptions::default().with_max_deliver(Some(5));
@@ -331,18 +357,32 @@ mod tests {
         assert!(
             RunnerOptions::default()
                 .with_max_deliver(Some(6))
-                .validate(HB, 5)
+                .validate(HB, 5, 1000)
                 .is_ok()
         );
         assert!(
             RunnerOptions::default()
                 .with_max_deliver(Some(-1))
-                .validate(HB, 5)
+                .validate(HB, 5, 1000)
                 .is_ok()
         );
         assert_eq!(
             field(RunnerOptions::default().with_max_in_flight(0), HB, 5),
             "max_in_flight"
+        );
+        assert_eq!(
+            field(RunnerOptions::default().with_max_batch(0), HB, 5),
+            "max_batch"
+        );
+        assert_eq!(
+            field(RunnerOptions::default().with_max_batch(1001), HB, 5),
+            "max_batch"
+        );
+        assert!(
+            RunnerOptions::default()
+                .with_max_batch(1000)
+                .validate(HB, 5, 1000)
+                .is_ok()
         );
         assert_eq!(
             field(

@@ -3,12 +3,13 @@
 use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::message::{AckKind, Acker};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use idem_executor::broker::{self, DeadLetterInfo, DrainTimeouts, Execution, Step, outcome_name};
 use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
 use serde::Serialize;
@@ -218,6 +219,8 @@ where
         let lost = CancellationToken::new();
         let mut tasks = JoinSet::new();
         let mut failures = 0u32;
+        // Whether the last pull brought messages.
+        let mut busy = false;
         let half = u32::try_from(options.max_in_flight.div_ceil(2)).unwrap_or(u32::MAX);
         while !stop.is_cancelled() {
             // Pull as many messages as there are free slots, once at least half of them are
@@ -244,12 +247,26 @@ where
                     Err(_) => break,
                 }
             }
-            let batch = consumer
-                .batch()
-                .max_messages(slots.len())
-                .expires(options.pull_expiry)
-                .messages()
-                .await;
+            // While messages keep coming, a pull takes what the stream holds now and returns
+            // at once (no wait), so that its messages form one group; once a pull brought
+            // nothing, the next one waits for messages (up to the pull expiry).
+            let fetching = busy;
+            let batch = if fetching {
+                consumer
+                    .fetch()
+                    .max_messages(slots.len())
+                    .expires(options.pull_expiry)
+                    .messages()
+                    .await
+            } else {
+                consumer
+                    .batch()
+                    .max_messages(slots.len())
+                    .expires(options.pull_expiry)
+                    .messages()
+                    .await
+            };
+            busy = false;
             let mut batch = match batch {
                 Ok(batch) => batch,
                 Err(e) => {
@@ -265,36 +282,63 @@ where
                 }
             };
             // Read the pull to its end (all its messages, or its expiry), even when stopping:
-            // what arrives after the stop is nak'ed for an immediate redelivery.
-            loop {
-                tokio::select! {
+            // what arrives after the stop is nak'ed for an immediate redelivery. The messages of
+            // a no-wait pull, or those of a waiting pull that are at hand together, go through
+            // one executor batch (up to `max_batch`).
+            let mut ended = false;
+            while !ended {
+                let mut next = tokio::select! {
                     biased;
-                    Some(joined) = tasks.join_next(), if !tasks.is_empty() => report(joined),
-                    next = batch.next() => match next {
+                    Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
+                        report(joined);
+                        continue;
+                    }
+                    next = batch.next() => next,
+                };
+                let mut group = Vec::new();
+                loop {
+                    match next {
                         Some(Ok(message)) => {
                             failures = 0;
-                            if stop.is_cancelled() {
-                                if message.ack_with(AckKind::Nak(None)).await.is_err() {
-                                    RunnerStats::count(&common.stats.ack_failures, m::ACK_FAILURES);
-                                }
-                                continue;
+                            busy = true;
+                            if let Some(taken) = self.take(message, &stop, &mut slots).await {
+                                group.push(taken);
                             }
-                            RunnerStats::bump(&common.stats.received);
-                            let Some(slot) = slots.pop() else {
-                                // More than asked for: give it back.
-                                let _ = message.ack_with(AckKind::Nak(None)).await;
-                                continue;
-                            };
-                            tasks.spawn(deliver(Arc::clone(common), message, slot, lost.clone(), max_deliver));
                         }
                         Some(Err(e)) => {
                             RunnerStats::count(&common.stats.stream_errors, m::STREAM_ERRORS);
                             failures = failures.saturating_add(1);
                             tracing::warn!(error = %e, failures, "pull error");
+                            ended = true;
                             break;
                         }
+                        None => {
+                            ended = true;
+                            break;
+                        }
+                    }
+                    if group.len() >= options.max_batch {
+                        break;
+                    }
+                    if fetching {
+                        // The rest of a no-wait pull is on its way: it joins the group.
+                        next = batch.next().await;
+                        continue;
+                    }
+                    // What a waiting pull has already brought joins the group; nothing more is
+                    // waited for.
+                    match batch.next().now_or_never() {
+                        Some(more) => next = more,
                         None => break,
-                    },
+                    }
+                }
+                if !group.is_empty() {
+                    tasks.spawn(deliver(
+                        Arc::clone(common),
+                        group,
+                        lost.clone(),
+                        max_deliver,
+                    ));
                 }
             }
             if failures > 0 {
@@ -308,6 +352,27 @@ where
         }
         self.drain(tasks, &lost).await;
         Ok(())
+    }
+
+    /// A message of a pull, with the slot it takes; `None` (the message nak'ed for an
+    /// immediate redelivery) when stopping or when the pull brought more than was asked for.
+    async fn take(
+        &self,
+        message: async_nats::jetstream::Message,
+        stop: &CancellationToken,
+        slots: &mut Vec<OwnedSemaphorePermit>,
+    ) -> Option<(async_nats::jetstream::Message, OwnedSemaphorePermit)> {
+        let stats = &self.common.stats;
+        if !stop.is_cancelled() {
+            RunnerStats::bump(&stats.received);
+            if let Some(slot) = slots.pop() {
+                return Some((message, slot));
+            }
+        }
+        if message.ack_with(AckKind::Nak(None)).await.is_err() {
+            RunnerStats::count(&stats.ack_failures, m::ACK_FAILURES);
+        }
+        None
     }
 
     async fn drain(&self, mut tasks: JoinSet<()>, lost: &CancellationToken) {
@@ -360,7 +425,9 @@ where
     pub fn build(self) -> Result<NatsRunner<H, T, C, R>, RunnerError> {
         let heartbeat = self.executor.heartbeat_interval();
         let max_attempts = self.executor.config().max_attempts;
-        self.options.validate(heartbeat, max_attempts)?;
+        let store_max_batch = self.executor.store().limits().max_batch;
+        self.options
+            .validate(heartbeat, max_attempts, store_max_batch)?;
         if self.stream.is_empty() {
             return Err(RunnerError::config("stream", "is empty"));
         }
@@ -384,12 +451,11 @@ where
     }
 }
 
-/// Processes one message to its end, sending progress acks at every heartbeat interval
-/// meanwhile.
+/// Processes a group of messages to their end: one executor batch, then each message settled;
+/// a progress ack for every message not yet settled at each heartbeat interval meanwhile.
 async fn deliver<H, T, C, R>(
     common: Arc<Common<H, C, R>>,
-    message: async_nats::jetstream::Message,
-    permit: OwnedSemaphorePermit,
+    group: Vec<(async_nats::jetstream::Message, OwnedSemaphorePermit)>,
     lost: CancellationToken,
     max_deliver: i64,
 ) where
@@ -399,42 +465,103 @@ async fn deliver<H, T, C, R>(
     C: Codec,
     R: Recorder,
 {
-    let _permit = permit;
-    let (sequence, delivered) = message
-        .info()
-        .map_or((0, 1), |i| (i.stream_sequence, i.delivered));
-    let reply = message.reply.clone();
-    let (message, acker) = message.split();
-    let msg = NatsMessage::from_parts(message, &common.stream, sequence, delivered);
-    let span = tracing::debug_span!(
-        "idem_nats_message",
-        stream = %common.stream,
-        subject = msg.subject(),
-        sequence,
-        delivered,
-        outcome = tracing::field::Empty,
-    );
-    let settle = Settle {
-        common: &common,
-        acker: &acker,
-        reply,
-        lost: &lost,
-        max_deliver,
+    let mut msgs = Vec::with_capacity(group.len());
+    let mut settles = Vec::with_capacity(group.len());
+    let mut permits = Vec::with_capacity(group.len());
+    for (message, permit) in group {
+        let (sequence, delivered) = message
+            .info()
+            .map_or((0, 1), |i| (i.stream_sequence, i.delivered));
+        let reply = message.reply.clone();
+        let (message, acker) = message.split();
+        let msg = NatsMessage::from_parts(message, &common.stream, sequence, delivered);
+        let span = tracing::debug_span!(
+            "idem_nats_message",
+            stream = %common.stream,
+            subject = msg.subject(),
+            sequence,
+            delivered,
+            outcome = tracing::field::Empty,
+        );
+        settles.push(Settle {
+            common: &common,
+            acker,
+            reply,
+            lost: &lost,
+            max_deliver,
+            span,
+            settled: AtomicBool::new(false),
+        });
+        msgs.push(msg);
+        permits.push(permit);
+    }
+    let settles = &settles;
+    let work = async {
+        let timeouts = common.options.lost_timeouts();
+        let steps = common
+            .execution
+            .try_batch::<_, T>(&msgs, &lost, timeouts)
+            .instrument(tracing::debug_span!("idem_nats_batch", stream = %common.stream, messages = msgs.len()))
+            .await;
+        let each = settles
+            .iter()
+            .zip(&msgs)
+            .zip(steps)
+            .map(|((settle, msg), step)| {
+                let span = settle.span.clone();
+                async move {
+                    settle.settle::<T>(msg, step).await;
+                    settle.settled.store(true, Ordering::Relaxed);
+                }
+                .instrument(span)
+            });
+        futures::future::join_all(each).await;
     };
     tokio::select! {
         biased;
-        () = settle.process::<T>(&msg).instrument(span.clone()) => {}
-        () = settle.keep_alive().instrument(span) => {}
+        () = work => {}
+        () = keep_alive(&common, settles) => {}
+    }
+    drop(permits);
+}
+
+/// Sends a progress ack for every message of `settles` not yet settled at every heartbeat
+/// interval, forever (the caller drops it once the group is settled): no ack deadline passes
+/// while a message is held.
+async fn keep_alive<H, C, R>(common: &Common<H, C, R>, settles: &[Settle<'_, H, C, R>]) {
+    let mut ticks = tokio::time::interval(common.heartbeat);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let held = settles
+            .iter()
+            .filter(|s| !s.settled.load(Ordering::Relaxed))
+            .map(|s| async move {
+                match s.acker.ack_with(AckKind::Progress).await {
+                    Ok(()) => RunnerStats::count(&common.stats.progress, m::PROGRESS),
+                    Err(e) => {
+                        let _in = s.span.enter();
+                        tracing::warn!(error = %e, "progress ack failed; the ack deadline may pass");
+                    }
+                }
+            });
+        futures::future::join_all(held).await;
     }
 }
 
+/// How one message of a group is settled.
 struct Settle<'a, H, C, R> {
     common: &'a Common<H, C, R>,
-    acker: &'a Acker,
+    acker: Acker,
     /// The message's reply subject, where acks go.
     reply: Option<async_nats::Subject>,
     lost: &'a CancellationToken,
     max_deliver: i64,
+    /// The message's span.
+    span: tracing::Span,
+    /// Whether it is settled (no more progress acks).
+    settled: AtomicBool,
 }
 
 impl<H, C, R> Settle<'_, H, C, R>
@@ -442,33 +569,14 @@ where
     C: Codec,
     R: Recorder,
 {
-    /// Sends a progress ack at every heartbeat interval, forever (the caller drops it once the
-    /// message is settled): the ack deadline never passes while the message is held.
-    async fn keep_alive(&self) {
-        let mut ticks = tokio::time::interval(self.common.heartbeat);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        ticks.tick().await;
-        loop {
-            ticks.tick().await;
-            match self.acker.ack_with(AckKind::Progress).await {
-                Ok(()) => RunnerStats::count(&self.common.stats.progress, m::PROGRESS),
-                Err(e) => {
-                    tracing::warn!(error = %e, "progress ack failed; the ack deadline may pass")
-                }
-            }
-        }
-    }
-
-    async fn process<T>(&self, msg: &NatsMessage)
+    /// Acts on what the executor batch came to for `msg`: ack, nak with a delay, or dead letter
+    /// then term.
+    async fn settle<T>(&self, msg: &NatsMessage, step: Step<T>)
     where
-        H: Handler<NatsMessage, R::Returns<T>>,
         T: Serialize + DeserializeOwned + Send + 'static,
-        R::Returns<T>: Send + 'static,
     {
         let common = self.common;
         let options = &common.options;
-        let timeouts = options.lost_timeouts();
-        let step = common.execution.try_once(msg, self.lost, timeouts).await;
         let (result, attempt) = match step {
             Step::Abandoned { lease_released } => {
                 if lease_released {

@@ -378,3 +378,57 @@ async fn shutdown_drains_in_flight_messages() {
     }
     delete_streams(&js, &name).await;
 }
+
+/// Runs 200 waiting messages with `max_batch` and returns the store requests sent for them.
+async fn requests_for_200(max_batch: usize) -> u64 {
+    let client = connect(&nats_url()).await;
+    let js = idem_nats::async_nats::jetstream::new(client.clone());
+    let name = unique("groups");
+    create_streams(&js, &name).await;
+    let msgs: Vec<Msg> = (0..200)
+        .map(|i| Msg::keyed(&format!("k{i}"), format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    publish(&js, &name, &msgs).await;
+    let store = redis_store(&format!("{}:", unique("idem-nats-groups"))).await;
+    let handler = |_msg: NatsMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(1u8) };
+    let exec = executor(shared(store.clone()), ExecutorConfig::new("nats-groups"));
+    let runner = NatsRunner::builder(client, &name, "workers", exec, handler)
+        .options(options().with_max_in_flight(64).with_max_batch(max_batch))
+        .build()
+        .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let watched = Arc::clone(&stats);
+    let done = run_until(task, stop, Duration::from_secs(30), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.executed() == 200 })
+    })
+    .await;
+    assert!(done, "{stats:?}");
+    assert_eq!(
+        consumer_state(&js, &name, "workers").await,
+        (0, 0),
+        "nothing pending, nothing unacknowledged"
+    );
+    delete_streams(&js, &name).await;
+    store.requests_sent()
+}
+
+/// Messages the stream already holds are pulled without waiting and run as groups: their keys
+/// acquired and their results recorded in a few batched store calls, where `max_batch` 1 sends
+/// an acquire and a completion for each message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_messages_run_in_groups() {
+    if !nats_and_redis() {
+        return;
+    }
+    init_tracing();
+    let one_by_one = requests_for_200(1).await;
+    assert_eq!(one_by_one, 400, "an acquire and a completion per message");
+    let grouped = requests_for_200(64).await;
+    assert!(
+        grouped <= 40,
+        "200 messages in groups of 64 at most: {grouped} store requests"
+    );
+}

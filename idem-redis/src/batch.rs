@@ -32,10 +32,10 @@ struct BatchScripts {
 }
 
 static BATCH: LazyLock<BatchScripts> = LazyLock::new(|| BatchScripts {
-    acquire: build_batch("acquire_many", include_str!("lua/acquire.lua")),
-    complete: build_batch("complete_many", include_str!("lua/complete.lua")),
-    fail: build_batch("fail_many", include_str!("lua/fail.lua")),
-    release: build_batch("release_many", include_str!("lua/release.lua")),
+    acquire: build_batch("acquire_many", include_str!("lua/acquire.lua"), true),
+    complete: build_batch("complete_many", include_str!("lua/complete.lua"), false),
+    fail: build_batch("fail_many", include_str!("lua/fail.lua"), false),
+    release: build_batch("release_many", include_str!("lua/release.lua"), false),
 });
 
 /// The batch scripts: `acquire_many`, `complete_many`, `fail_many`, `release_many`. Each is the
@@ -68,81 +68,104 @@ impl Item {
     }
 }
 
+/// The answer of one script call for a group of items (their indices in the batch): one reply
+/// per item in an array, or the call's error.
+type Answered = (Vec<usize>, Result<Value>);
+
+/// The checked item at `i` (the groups hold only those).
+fn checked(items: &[Result<Item>], i: usize) -> &Item {
+    match &items[i] {
+        Ok(item) => item,
+        Err(_) => unreachable!("groups hold only checked items"),
+    }
+}
+
+/// Whether an item's reply is the cluster's refusal of a key its node does not serve (the
+/// slot moved since the map was read): raised at the item's first read, before any write, so
+/// the item is sent again to the slot's node.
+fn misplaced(reply: &Value) -> bool {
+    let Value::Array(parts) = reply else {
+        return false;
+    };
+    let [Value::Int(-1), message] = parts.as_slice() else {
+        return false;
+    };
+    let text = match message {
+        Value::BulkString(b) => String::from_utf8_lossy(b),
+        Value::SimpleString(s) => s.as_str().into(),
+        _ => return false,
+    };
+    text.contains("non local key") || text.contains("cluster is down")
+}
+
 impl RedisStore {
-    /// Runs `script` over the checked items: one call for all of them on one server, one call
-    /// per hash slot on a cluster (sent concurrently, in waves of [`MAX_CONCURRENT_CALLS`]). Items that failed their checks keep their
-    /// error and are not sent. Returns each item's reply, or its error.
+    /// Runs `script` over the checked items: one call with declared keys for all of them on one
+    /// server; on a cluster, one call per primary (its items of every slot passed as
+    /// arguments, which the script's `allow-cross-slot-keys` flag allows), all primaries at
+    /// once, by the slot map the store last read. Items the map placed on the wrong primary
+    /// (refused before they wrote), and the items of a call to a primary that refused it
+    /// unrun, go again in one call per hash slot (declared keys, routed and redirected by the
+    /// driver; sent concurrently, in waves of [`MAX_CONCURRENT_CALLS`]), and the map is read
+    /// again for the next batch. Items that failed their checks keep their error and are not
+    /// sent. Returns each item's reply, or its error.
     ///
-    /// When the only call (one server), or every call (a cluster), fails, that is the batch's
-    /// error. When some calls of a cluster batch fail and others answer, the items of a failed
-    /// call get its error (each a copy; the first keeps the original) and the others their
-    /// replies.
+    /// When every call fails, that is the batch's error. When some calls of a cluster batch
+    /// fail and others answer, the items of a failed call get its error (each a copy; the
+    /// first keeps the original) and the others their replies.
     async fn run_batch(
         &self,
         script: &LuaScript,
         per_item: usize,
         items: Vec<Result<Item>>,
     ) -> Result<Vec<Result<Value>>> {
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        if self.is_cluster() {
-            let mut by_slot: HashMap<Slot, usize> = HashMap::new();
-            for (i, item) in items.iter().enumerate() {
-                if let Ok(item) = item {
-                    let g = *by_slot.entry(Slot::for_key(&item.key)).or_insert_with(|| {
-                        groups.push(Vec::new());
-                        groups.len() - 1
-                    });
-                    groups[g].push(i);
-                }
-            }
+        let valid: Vec<usize> = (0..items.len()).filter(|&i| items[i].is_ok()).collect();
+        let mut answered: Vec<Answered> = Vec::new();
+        if valid.is_empty() {
+        } else if !self.is_cluster() {
+            answered.push(self.slot_call(script, per_item, &items, valid).await);
         } else {
-            let valid: Vec<usize> = (0..items.len()).filter(|&i| items[i].is_ok()).collect();
-            if !valid.is_empty() {
-                groups.push(valid);
+            let mut rest = self
+                .by_primary(script, per_item, &items, valid, &mut answered)
+                .await;
+            rest.sort_unstable();
+            let mut groups: Vec<Vec<usize>> = Vec::new();
+            let mut by_slot: HashMap<Slot, usize> = HashMap::new();
+            for i in rest {
+                let slot = Slot::for_key(&checked(&items, i).key);
+                let g = *by_slot.entry(slot).or_insert_with(|| {
+                    groups.push(Vec::new());
+                    groups.len() - 1
+                });
+                groups[g].push(i);
+            }
+            let mut groups = groups.into_iter();
+            loop {
+                let wave: Vec<_> = groups.by_ref().take(MAX_CONCURRENT_CALLS).collect();
+                if wave.is_empty() {
+                    break;
+                }
+                let calls = wave
+                    .into_iter()
+                    .map(|group| self.slot_call(script, per_item, &items, group));
+                answered.extend(join_all(calls).await);
             }
         }
 
-        let valid = |i: usize| match &items[i] {
-            Ok(item) => item,
-            Err(_) => unreachable!("groups hold only checked items"),
-        };
-        let calls: Vec<_> = groups
-            .iter()
-            .map(|group| {
-                let first = &valid(group[0]).key;
-                let mut call = script.call(first);
-                for &i in &group[1..] {
-                    call.key(&valid(i).key);
-                }
-                call.arg(per_item);
-                for &i in group {
-                    let item = valid(i);
-                    debug_assert_eq!(item.args.len(), per_item);
-                    for arg in &item.args {
-                        call.arg(arg.as_slice());
-                    }
-                }
-                (first.as_slice(), call)
-            })
-            .collect();
-        let mut replies: Vec<Result<Value>> = Vec::with_capacity(calls.len());
-        for wave in calls.chunks(MAX_CONCURRENT_CALLS) {
-            let answers = join_all(wave.iter().map(|(key, call)| self.run(key, call))).await;
-            replies.extend(answers);
-        }
-
-        if !replies.is_empty() && replies.iter().all(Result::is_err) {
-            let first = replies.into_iter().next().and_then(Result::err);
+        if !answered.is_empty() && answered.iter().all(|(_, reply)| reply.is_err()) {
+            let first = answered
+                .into_iter()
+                .next()
+                .and_then(|(_, reply)| reply.err());
             return Err(first.expect("a failed call"));
         }
         let mut out: Vec<Option<Result<Value>>> = Vec::with_capacity(items.len());
         for item in items {
             out.push(item.err().map(Err));
         }
-        for (group, reply) in groups.iter().zip(replies) {
+        for (group, reply) in answered {
             match reply {
                 Ok(Value::Array(values)) if values.len() == group.len() => {
-                    for (&i, value) in group.iter().zip(values) {
+                    for (i, value) in group.into_iter().zip(values) {
                         out[i] = Some(Ok(value));
                     }
                 }
@@ -151,12 +174,13 @@ impl RedisStore {
                         "a batch of {} keys answered {other:?}, not one reply per key",
                         group.len()
                     );
-                    for &i in group {
+                    for i in group {
                         out[i] = Some(Err(Error::backend(self.name(), reason.clone())));
                     }
                 }
                 Err(e) => {
-                    for (&i, e) in group.iter().zip(spread(self.name(), e, group.len())) {
+                    let n = group.len();
+                    for (i, e) in group.into_iter().zip(spread(self.name(), e, n)) {
                         out[i] = Some(Err(e));
                     }
                 }
@@ -166,6 +190,112 @@ impl RedisStore {
             .into_iter()
             .map(|r| r.expect("every item has a result"))
             .collect())
+    }
+
+    /// One call of `script` with the keys of `group` declared (one server, or one hash slot).
+    async fn slot_call(
+        &self,
+        script: &LuaScript,
+        per_item: usize,
+        items: &[Result<Item>],
+        group: Vec<usize>,
+    ) -> Answered {
+        let first = &checked(items, group[0]).key;
+        let mut call = script.call(first);
+        for &i in &group[1..] {
+            call.key(&checked(items, i).key);
+        }
+        call.arg(per_item);
+        for &i in &group {
+            let item = checked(items, i);
+            debug_assert_eq!(item.args.len(), per_item);
+            for arg in &item.args {
+                call.arg(arg.as_slice());
+            }
+        }
+        let reply = self.run(first, &call).await;
+        (group, reply)
+    }
+
+    /// The cluster's calls per primary: adds their answers to `answered` and returns the items
+    /// to send again per slot (misplaced by the map, or refused unrun with their call; all of
+    /// `valid` when the map cannot be read).
+    async fn by_primary(
+        &self,
+        script: &LuaScript,
+        per_item: usize,
+        items: &[Result<Item>],
+        valid: Vec<usize>,
+        answered: &mut Vec<Answered>,
+    ) -> Vec<usize> {
+        let Ok(map) = self.slot_map().await else {
+            return valid;
+        };
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new(); map.primaries().len()];
+        let mut rest = Vec::new();
+        for i in valid {
+            match map.primary_of(Slot::for_key(&checked(items, i).key)) {
+                Some(p) => groups[p].push(i),
+                None => rest.push(i),
+            }
+        }
+        let calls: Vec<_> = groups
+            .iter()
+            .enumerate()
+            .filter(|(_, group)| !group.is_empty())
+            .map(|(p, group)| {
+                let mut call = script.keyless_call();
+                call.arg(per_item);
+                for &i in group {
+                    let item = checked(items, i);
+                    debug_assert_eq!(item.args.len(), per_item);
+                    call.arg(item.key.as_slice());
+                    for arg in &item.args {
+                        call.arg(arg.as_slice());
+                    }
+                }
+                (p, call)
+            })
+            .collect();
+        let (conn, sent) = self.conn_and_counter();
+        let timeout = self.config().operation_timeout;
+        let replies = join_all(
+            calls
+                .iter()
+                .map(|(p, call)| conn.invoke_on(&map.primaries()[*p], call, timeout, sent)),
+        )
+        .await;
+        let mut stale = false;
+        for ((p, _), reply) in calls.iter().zip(replies) {
+            let group = std::mem::take(&mut groups[*p]);
+            match reply {
+                Ok(Value::Array(values)) if values.len() == group.len() => {
+                    let (mut kept, mut replies) = (Vec::new(), Vec::new());
+                    for (i, value) in group.into_iter().zip(values) {
+                        if misplaced(&value) {
+                            stale = true;
+                            rest.push(i);
+                        } else {
+                            kept.push(i);
+                            replies.push(value);
+                        }
+                    }
+                    if !kept.is_empty() {
+                        answered.push((kept, Ok(Value::Array(replies))));
+                    }
+                }
+                Ok(other) => answered.push((group, Ok(other))),
+                Err((_, true)) => {
+                    stale = true;
+                    rest.extend(group);
+                }
+                Err((e, false)) => answered.push((group, Err(e))),
+            }
+        }
+        if stale || !rest.is_empty() {
+            self.forget_slot_map();
+        }
+        rest
     }
 
     /// An item's own script error (`{-1, message}`, raised inside the batch and caught there):

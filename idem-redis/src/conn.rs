@@ -12,6 +12,7 @@ use redis::cluster_routing::SingleNodeRoutingInfo;
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind, ToRedisArgs, Value};
 
 use crate::config::RedisConfig;
+use crate::slots::Primary;
 
 /// The store's name on one server, in errors, metrics and logs.
 pub(crate) const STANDALONE: &str = "redis";
@@ -169,6 +170,54 @@ impl Conn {
     }
 }
 
+impl Conn {
+    /// `call` on the cluster primary `primary` (`EVALSHA`, then `EVAL` after `NOSCRIPT`),
+    /// within `timeout`. Never retried. The error says whether the script surely did not run
+    /// ([`did_not_run`]: the call may be sent again elsewhere).
+    pub(crate) async fn invoke_on(
+        &self,
+        primary: &Primary,
+        call: &Call<'_>,
+        timeout: Duration,
+        sent: &AtomicU64,
+    ) -> Result<Value, (Error, bool)> {
+        let Self::Cluster(c) = self else {
+            return Err((
+                Error::backend(
+                    STANDALONE,
+                    "a call routed to a cluster node on a single server",
+                ),
+                true,
+            ));
+        };
+        let mut c = c.clone();
+        let run = async {
+            count(sent);
+            let first = c
+                .route_command(call.evalsha(), primary.route())
+                .await
+                .and_then(Value::extract_error);
+            match first {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    count(sent);
+                    c.route_command(call.eval(), primary.route())
+                        .await
+                        .and_then(Value::extract_error)
+                }
+                other => other,
+            }
+        };
+        match tokio::time::timeout(timeout, run).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => {
+                let unrun = did_not_run(&e);
+                Err((map_error(CLUSTER, e), unrun))
+            }
+            Err(_) => Err((Error::timed_out(CLUSTER, timeout), false)),
+        }
+    }
+}
+
 /// One script call: the script, its keys (the record's first: the call is routed by it) and its
 /// arguments.
 pub(crate) struct Call<'a> {
@@ -184,6 +233,17 @@ impl<'a> Call<'a> {
             script,
             source,
             keys: vec![key],
+            args: Vec::new(),
+        }
+    }
+
+    /// A call without declared keys (its keys go among the arguments), sent to a node by
+    /// address ([`Conn::invoke_on`]).
+    pub(crate) fn keyless(script: &'a Script, source: &'a str) -> Self {
+        Self {
+            script,
+            source,
+            keys: Vec::new(),
             args: Vec::new(),
         }
     }
@@ -317,7 +377,7 @@ fn redirect(err: &RedisError) -> Option<Next> {
 
 /// Refusals the server (or the driver, before sending) answers instead of running the script:
 /// retrying them cannot run a transition twice.
-fn did_not_run(e: &RedisError) -> bool {
+pub(crate) fn did_not_run(e: &RedisError) -> bool {
     e.is_connection_refusal()
         || matches!(
             e.kind(),
@@ -335,7 +395,7 @@ fn did_not_run(e: &RedisError) -> bool {
         || matches!(e.code(), Some("OOM" | "BUSY"))
 }
 
-async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     store: &'static str,
     timeout: Duration,
     fut: impl Future<Output = Result<T, RedisError>>,

@@ -7,6 +7,7 @@ mod conn;
 mod drop;
 mod list;
 mod scripts;
+mod slots;
 mod store;
 
 /// Decoders reached by the fuzz targets in `fuzz/` (only with `--cfg fuzzing`).

@@ -17,13 +17,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idem_core::{Cursor, Error, ListQuery, Page, Record, Result};
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{ErrorKind, RedisError, Script, ServerErrorKind, Value};
 use sha2::{Digest, Sha256};
 
 use crate::codec;
 use crate::config::RedisConfig;
-use crate::conn::{Conn, map_error};
+use crate::conn::{Conn, bounded};
+use crate::slots::{Primary, SlotMap};
 
 /// About how many keys (of every namespace) one [`list`] call visits at most before it returns
 /// a page (possibly with fewer records than the limit, even none) and a cursor to go on from.
@@ -106,7 +106,7 @@ impl Position {
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Node {
     Single,
-    Primary { host: String, port: u16 },
+    Primary(Primary),
 }
 
 /// The `MATCH` pattern of a namespace's keys: the prefix with the glob's special characters
@@ -290,79 +290,16 @@ fn note_sent(sent: &AtomicU64) {
     sent.fetch_add(1, Ordering::Relaxed);
 }
 
-async fn bounded<T>(
-    store: &'static str,
-    timeout: Duration,
-    fut: impl Future<Output = std::result::Result<T, RedisError>>,
-) -> Result<T> {
-    match tokio::time::timeout(timeout, fut).await {
-        Ok(result) => result.map_err(|e| map_error(store, e)),
-        Err(_) => Err(Error::timed_out(store, timeout)),
-    }
-}
-
 /// The nodes to scan, in order, and the digest of the slot map (empty on one server): the
 /// primaries of `CLUSTER SLOTS`, ordered by the first slot each serves.
 async fn nodes(conn: &Conn, config: &RedisConfig, sent: &AtomicU64) -> Result<(Vec<Node>, String)> {
-    let Conn::Cluster(c) = conn else {
+    if !matches!(conn, Conn::Cluster(_)) {
         return Ok((vec![Node::Single], String::new()));
-    };
-    let store = conn.name();
-    note_sent(sent);
-    let mut c = c.clone();
-    let reply: Value = bounded(
-        store,
-        config.operation_timeout,
-        redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut c),
-    )
-    .await?;
-    let bad = |why: String| Error::backend(store, format!("unexpected CLUSTER SLOTS reply: {why}"));
-    let Value::Array(ranges) = reply else {
-        return Err(bad(format!("{reply:?}")));
-    };
-    // (first slot, last slot, host, port) of each range.
-    let mut slots: Vec<(i64, i64, String, u16)> = Vec::new();
-    for range in &ranges {
-        let Value::Array(items) = range else {
-            return Err(bad(format!("{range:?}")));
-        };
-        match items.as_slice() {
-            [
-                Value::Int(first),
-                Value::Int(last),
-                Value::Array(primary),
-                ..,
-            ] => match primary.as_slice() {
-                [host, Value::Int(port), ..] => {
-                    let host = match host {
-                        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
-                        Value::SimpleString(s) => s.clone(),
-                        other => return Err(bad(format!("host {other:?}"))),
-                    };
-                    let port = u16::try_from(*port).map_err(|_| bad(format!("port {port}")))?;
-                    slots.push((*first, *last, host, port));
-                }
-                other => return Err(bad(format!("node {other:?}"))),
-            },
-            other => return Err(bad(format!("range {other:?}"))),
-        }
     }
-    slots.sort();
-    let mut nodes: Vec<Node> = Vec::new();
-    for (_, _, host, port) in &slots {
-        let node = Node::Primary {
-            host: host.clone(),
-            port: *port,
-        };
-        if !nodes.contains(&node) {
-            nodes.push(node);
-        }
-    }
-    let map: Vec<String> = slots
-        .iter()
-        .map(|(a, b, h, p)| format!("{a}-{b}@{h}:{p}"))
-        .collect();
-    let topology = digest(map.iter().map(|s| s.as_bytes()));
+    let map = SlotMap::fetch(conn, config, sent).await?;
+    let nodes = map.primaries().iter().cloned().map(Node::Primary).collect();
+    let described = map.describe();
+    let topology = digest(described.iter().map(|s| s.as_bytes()));
     Ok((nodes, topology))
 }
 
@@ -399,14 +336,9 @@ async fn step(
                     other => other,
                 }
             }
-            (Conn::Cluster(c), Node::Primary { host, port }) => {
+            (Conn::Cluster(c), Node::Primary(primary)) => {
                 let mut c = c.clone();
-                let route = || {
-                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                        host: host.clone(),
-                        port: *port,
-                    })
-                };
+                let route = || primary.route();
                 note_sent(sent);
                 let first = c
                     .route_command(evalsha.clone(), route())

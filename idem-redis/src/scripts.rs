@@ -32,6 +32,12 @@ impl LuaScript {
         self.script.get_hash()
     }
 
+    /// A call of this script without declared keys, arguments to follow (a batch's items of
+    /// many slots, sent to the primary serving them).
+    pub(crate) fn keyless_call(&self) -> Call<'_> {
+        Call::keyless(&self.script, &self.source)
+    }
+
     /// A call of this script on `key`, arguments to follow.
     pub(crate) fn call<'a>(&'a self, key: &'a [u8]) -> Call<'a> {
         Call::new(&self.script, &self.source, key)
@@ -63,14 +69,15 @@ fn build(name: &'static str, body: &str) -> LuaScript {
     }
 }
 
-/// A batch script: the prelude, the batch clock (`lua/batch_clock.lua`: one `TIME` per call),
-/// the single-key `body` wrapped as the function `one`, then the loop of `lua/batch.lua`, which
-/// calls `one` once per key, in order. The batch thus runs the very code of the single-key
-/// script.
-pub(crate) fn build_batch(name: &'static str, body: &str) -> LuaScript {
+/// A batch script: the prelude, the batch prelude (`lua/batch_prelude.lua`: one `TIME` per
+/// call, the records read with one `MGET`), the single-key `body` wrapped as the function `one`,
+/// then the loop of `lua/batch.lua`, which calls `one` once per key, in order. The batch thus
+/// runs the very code of the single-key script. `create_absent`: the transition may create a
+/// record where there is none (acquire), which it then writes with `SET NX`.
+pub(crate) fn build_batch(name: &'static str, body: &str, create_absent: bool) -> LuaScript {
     let source = format!(
-        "#!lua\n{COMMON}\n{}\nlocal function one(ARGV)\n{body}\nend\n{}",
-        include_str!("lua/batch_clock.lua"),
+        "#!lua flags=allow-cross-slot-keys\n{COMMON}\nlocal CREATE_ABSENT = {create_absent}\n{}\nlocal function one(ARGV)\n{body}\nend\n{}",
+        include_str!("lua/batch_prelude.lua"),
         include_str!("lua/batch.lua")
     );
     LuaScript {

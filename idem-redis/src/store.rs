@@ -1,8 +1,8 @@
 //! [`RedisStore`]: the store trait on Redis.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -21,6 +21,7 @@ use crate::codec::{self, Fenced};
 use crate::config::RedisConfig;
 use crate::conn::{Call, Conn};
 use crate::scripts::{LuaScript, SCRIPTS, lua_scripts};
+use crate::slots::SlotMap;
 use crate::writes::{self, RedisWrites};
 
 /// An [`IdempotencyStore`] on Redis: one packed string per key, one Lua script per transition, on a
@@ -38,6 +39,9 @@ struct Inner {
     config: RedisConfig,
     /// Requests the operations sent: see [`RedisStore::requests_sent`].
     sent: AtomicU64,
+    /// A cluster's slot map as the batches last read it (`None` before the first batch, and
+    /// after a batch met a key its map placed on the wrong primary).
+    slot_map: Mutex<Option<Arc<SlotMap>>>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -125,6 +129,7 @@ impl RedisStore {
                 conn,
                 config,
                 sent: AtomicU64::new(0),
+                slot_map: Mutex::new(None),
             }),
         }
     }
@@ -161,6 +166,38 @@ impl RedisStore {
     /// The connection and the request counter, for the operations of other modules.
     pub(crate) fn conn_and_counter(&self) -> (&Conn, &AtomicU64) {
         (&self.inner.conn, &self.inner.sent)
+    }
+
+    /// The cluster's slot map: the one last read, or read now (one `CLUSTER SLOTS`, counted in
+    /// [`requests_sent`](Self::requests_sent)).
+    pub(crate) async fn slot_map(&self) -> Result<Arc<SlotMap>> {
+        if let Some(map) = self.cached_slot_map() {
+            return Ok(map);
+        }
+        let inner = &self.inner;
+        let map = Arc::new(SlotMap::fetch(&inner.conn, &inner.config, &inner.sent).await?);
+        *inner
+            .slot_map
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&map));
+        Ok(map)
+    }
+
+    fn cached_slot_map(&self) -> Option<Arc<SlotMap>> {
+        self.inner
+            .slot_map
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Drops the slot map: the next batch reads it again.
+    pub(crate) fn forget_slot_map(&self) {
+        *self
+            .inner
+            .slot_map
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
     }
 
     /// Whether the store talks to a Redis Cluster.

@@ -1,4 +1,4 @@
-//! Native batches: one script call per batch on one server, one per hash slot on a cluster
+//! Native batches: one script call per batch on one server, one per primary on a cluster
 //! (counted with `RedisStore::requests_sent`), invalid items answered without a round trip, the
 //! same key twice handled in order, and a corrupt record failing only its own item.
 //!
@@ -49,6 +49,48 @@ fn slots(store: &RedisStore, reqs: &[AcquireRequest]) -> u64 {
         .map(|r| Slot::for_key(store.storage_key(&r.key)))
         .collect();
     slots.len() as u64
+}
+
+/// How many primaries serve the keys of `reqs`, asked of the cluster itself (`CLUSTER KEYSLOT`
+/// per key, `CLUSTER SLOTS` for the ranges).
+async fn primaries(store: &RedisStore, reqs: &[AcquireRequest]) -> u64 {
+    let node = common::cluster_nodes()[0].clone();
+    let mut conn = redis::Client::open(node)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let ranges: Vec<(i64, i64, Vec<redis::Value>)> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async::<Vec<Vec<redis::Value>>>(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|range| match range.as_slice() {
+            [
+                redis::Value::Int(a),
+                redis::Value::Int(b),
+                redis::Value::Array(primary),
+                ..,
+            ] => (*a, *b, primary[..2].to_vec()),
+            other => panic!("CLUSTER SLOTS range {other:?}"),
+        })
+        .collect();
+    let mut serving = HashSet::new();
+    for req in reqs {
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(store.storage_key(&req.key))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let (_, _, primary) = ranges
+            .iter()
+            .find(|(a, b, _)| (*a..=*b).contains(&slot))
+            .expect("every slot is served");
+        serving.insert(format!("{primary:?}"));
+    }
+    serving.len() as u64
 }
 
 /// Every batch operation on `reqs` (all fresh, all valid) sends `expected` requests, and one
@@ -128,22 +170,32 @@ async fn standalone_batch_is_one_request() {
 }
 
 #[tokio::test]
-async fn cluster_batch_is_one_request_per_slot() {
+async fn cluster_batch_is_one_request_per_primary() {
     let Some(store) = common::cluster().await else {
         return;
     };
     let ns = Namespace::new("batch").unwrap();
-    // Ids sharing a hash tag share a slot: three tags, three requests per batch.
+    // The first batch reads the slot map: one request more.
+    let warm = requests(&ns, ["warm".to_owned()]);
+    let (done, sent) = counted(&store, store.acquire_many(&warm)).await;
+    assert!(done.expect("acquire_many")[0].is_ok());
+    assert_eq!(sent, 2, "CLUSTER SLOTS, then the primary's call");
+    // Ids sharing a hash tag share a slot: three tags, one request per primary serving them.
     let tagged = requests(
         &ns,
         (0..99).map(|i| format!("{{tenant-{}}}:msg-{i}", i % 3)),
     );
     assert_eq!(slots(&store, &tagged), 3);
-    one_call_per_group(&store, tagged, 3).await;
-    // Untagged ids: one request per slot they fall in.
+    let expected = primaries(&store, &tagged).await;
+    one_call_per_group(&store, tagged, expected).await;
+    // Untagged ids fall in many slots, and still make one request per primary.
     let spread = requests(&ns, (0..40).map(|i| format!("spread-{i}")));
-    let expected = slots(&store, &spread);
-    assert!(expected > 3, "40 keys fall in more than 3 slots");
+    assert!(
+        slots(&store, &spread) > 3,
+        "40 keys fall in more than 3 slots"
+    );
+    let expected = primaries(&store, &spread).await;
+    assert_eq!(expected, 3, "40 keys reach every primary");
     one_call_per_group(&store, spread, expected).await;
 }
 
@@ -249,4 +301,95 @@ async fn batch_scripts_are_the_single_scripts_in_a_loop() {
         assert!(batch.source.contains(own), "{} embeds {name}", batch.name);
         assert_eq!(batch.sha1().len(), 40);
     }
+}
+
+/// A batch whose key's slot moves after the store read the slot map: the primary it is sent to
+/// refuses that item before it writes (while the slot migrates, then once it moved), the item
+/// goes again through the per-slot path, which follows ASK and MOVED, and the others are
+/// answered by their primaries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_follows_a_slot_that_moved() {
+    use common::slots::{masters, move_slot, setslot};
+    let Some(store) = common::cluster().await else {
+        return;
+    };
+    let ns = Namespace::new(format!("reshard-{}", uuid::Uuid::new_v4())).unwrap();
+    let others: Vec<String> = (0..20).map(|i| format!("stay-{i}")).collect();
+    let key = ns.key("moving").unwrap();
+    let storage_key = store.storage_key(&key);
+    // Reads the slot map.
+    let warm = store
+        .acquire_many(&requests(&ns, ["warm".to_owned()]))
+        .await
+        .expect("batch");
+    assert!(warm[0].is_ok());
+
+    let mut masters = masters().await;
+    let slot: u16 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(&storage_key)
+        .query_async(&mut masters[0].1)
+        .await
+        .unwrap();
+    let owner = masters
+        .iter()
+        .position(|m| m.2.iter().any(|&(a, b)| a <= slot && slot <= b))
+        .unwrap();
+    let other = (owner + 1) % masters.len();
+    let (owner_id, other_id) = (masters[owner].0.clone(), masters[other].0.clone());
+    let batch = |ids: Vec<String>| requests(&ns, ids);
+    let mut ids = vec!["moving".to_owned()];
+    ids.extend(others[..10].iter().cloned());
+
+    let serving = primaries(&store, &batch(ids.clone())).await;
+
+    // ASK: the slot is migrating and the key is not on its owner.
+    setslot(&mut masters[other].1, slot, &["IMPORTING", &owner_id]).await;
+    setslot(&mut masters[owner].1, slot, &["MIGRATING", &other_id]).await;
+    let (asked, asked_sent) = counted(&store, store.acquire_many(&batch(ids))).await;
+    // MOVED: the migration finishes; the map the store read is stale.
+    setslot(&mut masters[other].1, slot, &["NODE", &other_id]).await;
+    setslot(&mut masters[owner].1, slot, &["NODE", &other_id]).await;
+    let third = 3 - owner - other;
+    setslot(&mut masters[third].1, slot, &["NODE", &other_id]).await;
+    let leases = match &asked {
+        Ok(out) => leases(out),
+        Err(_) => Vec::new(),
+    };
+    let moved = store.release_many(&leases).await;
+    let mut ids = vec!["moving".to_owned()];
+    ids.extend(others[10..].iter().cloned());
+    let after = store.acquire_many(&batch(ids)).await;
+    let in_new_owner: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(&storage_key)
+        .query_async(&mut masters[other].1)
+        .await
+        .unwrap();
+
+    // Put everything back before asserting.
+    let _: () = redis::cmd("DEL")
+        .arg(&storage_key)
+        .query_async(&mut masters[other].1)
+        .await
+        .unwrap();
+    move_slot(&mut masters, slot, other, owner).await;
+
+    let asked = asked.expect("batch while the slot migrates");
+    // One call per primary, then the refused item alone: its slot's call, answered ASK, and
+    // the call sent to the importing primary.
+    assert_eq!(asked_sent, serving + 2, "{asked:?}");
+    assert_eq!(leases.len(), 11, "every key acquired: {asked:?}");
+    let released = moved.expect("batch after the slot moved");
+    assert!(released.iter().all(Result::is_ok), "{released:?}");
+    let after = after.expect("batch with the map read again");
+    assert!(
+        matches!(after[0], Ok(AcquireOutcome::Acquired { .. })),
+        "the released key is acquired again: {:?}",
+        after[0]
+    );
+    assert!(after[1..].iter().all(Result::is_ok), "{after:?}");
+    assert!(
+        in_new_owner.is_some(),
+        "the record is on the slot's new primary"
+    );
 }

@@ -603,6 +603,7 @@ mod standalone {
 
 mod cluster {
     use super::*;
+    use common::slots::{masters, move_slot, setslot};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn replayed_transitions_succeed() {
@@ -683,70 +684,6 @@ mod cluster {
     async fn unreachable_is_unavailable_quickly() {
         super::unreachable_is_unavailable_quickly(common::unreachable_cluster(), "redis-cluster")
             .await;
-    }
-
-    /// A master of the test cluster: node id, a plain connection, slot ranges.
-    type Master = (String, redis::aio::MultiplexedConnection, Vec<(u16, u16)>);
-
-    /// Every master of the test cluster.
-    async fn masters() -> Vec<Master> {
-        let mut first = redis::Client::open(common::cluster_nodes()[0].as_str())
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
-        let nodes: String = redis::cmd("CLUSTER")
-            .arg("NODES")
-            .query_async(&mut first)
-            .await
-            .unwrap();
-        let mut masters = Vec::new();
-        for line in nodes.lines() {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            if !fields[2].contains("master") {
-                continue;
-            }
-            let addr = fields[1].split('@').next().unwrap();
-            let conn = redis::Client::open(format!("redis://{addr}"))
-                .unwrap()
-                .get_multiplexed_async_connection()
-                .await
-                .unwrap();
-            let ranges = fields[8..]
-                .iter()
-                .filter(|r| !r.starts_with('['))
-                .map(|r| match r.split_once('-') {
-                    Some((a, b)) => (a.parse().unwrap(), b.parse().unwrap()),
-                    None => (r.parse().unwrap(), r.parse().unwrap()),
-                })
-                .collect();
-            masters.push((fields[0].to_owned(), conn, ranges));
-        }
-        masters
-    }
-
-    async fn setslot(conn: &mut redis::aio::MultiplexedConnection, slot: u16, how: &[&str]) {
-        let _: () = redis::cmd("CLUSTER")
-            .arg("SETSLOT")
-            .arg(slot)
-            .arg(how)
-            .query_async(conn)
-            .await
-            .unwrap();
-    }
-
-    /// Moves `slot` (whose keys are gone) from `from` to `to` the way resharding does.
-    async fn move_slot(masters: &mut [Master], slot: u16, from: usize, to: usize) {
-        let (from_id, to_id) = (masters[from].0.clone(), masters[to].0.clone());
-        setslot(&mut masters[to].1, slot, &["IMPORTING", &from_id]).await;
-        setslot(&mut masters[from].1, slot, &["MIGRATING", &to_id]).await;
-        setslot(&mut masters[to].1, slot, &["NODE", &to_id]).await;
-        setslot(&mut masters[from].1, slot, &["NODE", &to_id]).await;
-        for (i, master) in masters.iter_mut().enumerate() {
-            if i != from && i != to {
-                setslot(&mut master.1, slot, &["NODE", &to_id]).await;
-            }
-        }
     }
 
     /// The driver retries nothing (a re-sent script may run twice); the store follows ASK and

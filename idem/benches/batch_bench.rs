@@ -5,7 +5,7 @@
 //! cargo bench -p idem --features redis,postgres --bench batch_bench
 //! ```
 //!
-//! For each store, 64 concurrent tasks process fresh keys (a fingerprint, a 2-byte result):
+//! For each store, 64 concurrent tasks (`IDEM_BENCH_TASKS`) process fresh keys (a fingerprint, a 2-byte result):
 //!
 //! - unbatched: each task loops `acquire` then `complete`, one message at a time;
 //! - batched: each task loops `acquire_many` of 100 keys then `complete_many` of the 100 leases.
@@ -33,7 +33,13 @@ use idem::{
     Namespace,
 };
 
-const TASKS: usize = 64;
+/// Concurrent tasks (`IDEM_BENCH_TASKS`, default 64).
+fn tasks() -> usize {
+    std::env::var("IDEM_BENCH_TASKS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(64)
+}
 const BATCH: usize = 100;
 const RETENTION: Duration = Duration::from_secs(600);
 
@@ -68,12 +74,12 @@ impl Ids {
     }
 }
 
-/// Messages per second of `TASKS` tasks, each looping single acquires and completions.
+/// Messages per second of [`tasks`] tasks, each looping single acquires and completions.
 async fn unbatched(store: &DynStore, ns: &Namespace) -> f64 {
     let done = Arc::new(AtomicU64::new(0));
     let until = Instant::now() + seconds();
     let start = Instant::now();
-    let tasks: Vec<_> = (0..TASKS)
+    let tasks: Vec<_> = (0..tasks())
         .map(|task| {
             let (store, ns, done) = (store.clone(), ns.clone(), done.clone());
             tokio::spawn(async move {
@@ -102,13 +108,13 @@ async fn unbatched(store: &DynStore, ns: &Namespace) -> f64 {
     done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
-/// Messages per second of `TASKS` tasks, each looping `acquire_many` and `complete_many` of
+/// Messages per second of [`tasks`] tasks, each looping `acquire_many` and `complete_many` of
 /// `BATCH` keys.
 async fn batched(store: &DynStore, ns: &Namespace, ids: Ids) -> f64 {
     let done = Arc::new(AtomicU64::new(0));
     let until = Instant::now() + seconds();
     let start = Instant::now();
-    let tasks: Vec<_> = (0..TASKS)
+    let tasks: Vec<_> = (0..tasks())
         .map(|task| {
             let (store, ns, done) = (store.clone(), ns.clone(), done.clone());
             tokio::spawn(async move {
@@ -154,7 +160,8 @@ fn row(store: &str, mode: &str, rate: f64, base: f64) {
     );
 }
 
-async fn measure(name: &str, store: DynStore, tagged_too: bool) {
+/// Measures `store`; returns the namespace it wrote in.
+async fn measure(name: &str, store: DynStore, tagged_too: bool) -> Namespace {
     let ns = Namespace::new(format!("bench-{:08x}", rand_u32())).expect("namespace");
     let single = unbatched(&store, &ns).await;
     row(
@@ -179,6 +186,19 @@ async fn measure(name: &str, store: DynStore, tagged_too: bool) {
             single,
         );
     }
+    ns
+}
+
+/// Removes what the bench wrote in a Redis store (a listing on the same server, such as the
+/// conformance suite's, would otherwise scan it until it expires).
+async fn clean(name: &str, store: &RedisStore, ns: &Namespace) {
+    match store.drop_namespace(ns).await {
+        Ok(n) => println!("{name}: removed the bench's {n} records"),
+        Err(e) => println!(
+            "{name}: could not remove the bench's records ({e}); they expire after {}s",
+            RETENTION.as_secs()
+        ),
+    }
 }
 
 fn rand_u32() -> u32 {
@@ -199,7 +219,8 @@ fn main() {
         .expect("runtime");
     runtime.block_on(async {
         println!(
-            "store-level messages/s, {TASKS} tasks, fresh keys, {:?} per measurement",
+            "store-level messages/s, {} tasks, fresh keys, {:?} per measurement",
+            tasks(),
             seconds()
         );
         println!(
@@ -218,7 +239,10 @@ fn main() {
         if wanted("redis") {
             match RedisStore::connect_with(&url, RedisConfig::default().with_prefix(&prefix)).await
             {
-                Ok(store) => measure("redis", Arc::new(store), false).await,
+                Ok(store) => {
+                    let ns = measure("redis", Arc::new(store.clone()), false).await;
+                    clean("redis", &store, &ns).await;
+                }
                 Err(e) => println!("| redis          | skipped: {e}"),
             }
         }
@@ -232,7 +256,10 @@ fn main() {
         if wanted("redis-cluster") {
             let config = RedisConfig::default().with_prefix(&prefix);
             match RedisStore::connect_cluster_with(&nodes, config).await {
-                Ok(store) => measure("redis-cluster", Arc::new(store), true).await,
+                Ok(store) => {
+                    let ns = measure("redis-cluster", Arc::new(store.clone()), true).await;
+                    clean("redis-cluster", &store, &ns).await;
+                }
                 Err(e) => println!("| redis-cluster  | skipped: {e}"),
             }
         }
@@ -244,16 +271,12 @@ fn main() {
         if wanted("postgres") {
             match postgres(&pg_url, &schema).await {
                 Ok(store) => {
-                    measure("postgres", Arc::new(store.clone()), false).await;
+                    let _ = measure("postgres", Arc::new(store.clone()), false).await;
                     drop_schema(&store, &schema).await;
                 }
                 Err(e) => println!("| postgres       | skipped: {e}"),
             }
         }
-        println!(
-            "\nRedis keys are left under the prefix {prefix} (they expire after {}s).",
-            RETENTION.as_secs()
-        );
     });
 }
 

@@ -31,7 +31,7 @@ if r == nil or r.state == TOMBSTONE or past_retention(now) then
   if fp ~= '' then
     fresh.fp = fp
   end
-  save(fresh)
+  save(fresh, nil, r == nil)
   return {0, t, 1, now + lease, 0}
 end
 

@@ -114,12 +114,27 @@ local function read_zigzag(v, pos)
   return -(z + 1) / 2, next_pos
 end
 
+-- How `load` reads the value at `key` (the value, false when there is none, or an error table)
+-- and `save` writes it (`absent`: the caller found no key there): one GET, one SET. A batch
+-- script replaces both (lua/batch_prelude.lua).
+local function read_value()
+  return redis.pcall('GET', key)
+end
+
+local function write_value(v, expire_at, absent)
+  if expire_at == nil then
+    redis.call('SET', key, v)
+  else
+    redis.call('SET', key, v, 'PXAT', int(expire_at))
+  end
+end
+
 -- The record at `key`: nil when there is no key, else a table with `state`, `token` (a number)
 -- and `tok` (its 8 stored bytes); unless it is a tombstone also `attempts`, `updated`,
 -- `created`, `lease` (absolute ms; `lease` only while in progress), `fp` (nil when none),
 -- `owner` and `payload`. A value that is not a record aborts the script (IDEMCORRUPT).
 local function load()
-  local v = redis.pcall('GET', key)
+  local v = read_value()
   if type(v) == 'table' then
     corrupt('the key holds no idem record (' .. tostring(v.err) .. ')')
   end
@@ -186,8 +201,8 @@ end
 
 -- Writes record `r` (as `load` returns it, times absolute; `tok` nil when `token` is new) at
 -- `key`, with `expire_at` (ms since the epoch) as the key's expiry, or none when nil. SET drops
--- any earlier expiry.
-local function save(r, expire_at)
+-- any earlier expiry. `absent`: `load` found no key there.
+local function save(r, expire_at, absent)
   local base = floor(r.token / 1000)
   local head = FORMAT + r.state
   local created, lease, fp = '', '', ''
@@ -206,11 +221,7 @@ local function save(r, expire_at)
   local v = char(head) .. (r.tok or struct.pack('>I8', r.token)) .. varint(r.attempts)
     .. zigzag(r.updated - base) .. created .. lease .. fp .. varint(#r.owner) .. r.owner
     .. r.payload
-  if expire_at == nil then
-    redis.call('SET', key, v)
-  else
-    redis.call('SET', key, v, 'PXAT', int(expire_at))
-  end
+  write_value(v, expire_at, absent)
 end
 
 -- The fence of every transition after acquire: the record exists (a tombstone counts as
@@ -219,7 +230,9 @@ end
 -- what was found instead: the record, or nil when it is absent, a tombstone or past retention.
 local function fence(token, now)
   local r = load()
-  if r == nil or r.state == TOMBSTONE or past_retention(now) then
+  -- A record in progress never carries a retention deadline (`save` writes it without one), so
+  -- only the others are looked up.
+  if r == nil or r.state == TOMBSTONE or (r.state ~= IN_PROGRESS and past_retention(now)) then
     return nil, nil
   end
   if int(r.token) ~= token or r.state ~= IN_PROGRESS then

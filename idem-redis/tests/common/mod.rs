@@ -11,6 +11,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod slots;
+
 use idem_conformance::servers;
 use idem_redis::{RedisConfig, RedisStore};
 
