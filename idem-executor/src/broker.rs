@@ -35,9 +35,10 @@ use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    Codec, DeadLetterReason, Executor, ExecutorError, Handler, HandlerError, Message, Outcome,
-    Recorder, StoreStage,
+    Codec, DeadLetterReason, Executor, ExecutorError, Handler, HandlerContext, HandlerError,
+    Message, Outcome, Recorder, StoreStage,
 };
+use idem_core::DynStore;
 
 /// Dead-letter header (or attribute) naming why the message was dead-lettered: a
 /// [`DeadLetterReason`] code.
@@ -210,6 +211,59 @@ impl LostTimeouts {
     }
 }
 
+/// Runs a handler's call for a delivery that was not lost when it was called. Lost while it
+/// runs: it is let finish for half the orphan timeout, then signalled through `cancel` (its
+/// context's cancellation token, taken before the call), and awaited. Its lease is never released.
+async fn watch_handler<T>(
+    call: impl Future<Output = Result<T, HandlerError>>,
+    cancel: CancellationToken,
+    lost: &CancellationToken,
+    orphan: Duration,
+) -> Result<T, HandlerError> {
+    let mut run = std::pin::pin!(call);
+    tokio::select! {
+        biased;
+        result = &mut run => return result,
+        () = lost.cancelled() => {}
+    }
+    if let Ok(result) = tokio::time::timeout(orphan / 2, &mut run).await {
+        return result;
+    }
+    tracing::warn!(
+        "delivery lost: the handler is still running; signalling its cancellation token"
+    );
+    cancel.cancel();
+    run.await
+}
+
+/// Releases the lease of a delivery lost before its handler was called (no attempt counted);
+/// `true` when released. A failed or timed-out release is logged with `otherwise`, what
+/// happens instead.
+async fn release_unstarted(
+    store: &DynStore,
+    ctx: &HandlerContext,
+    timeout: Duration,
+    otherwise: &str,
+) -> bool {
+    let Some(lease) = ctx.lease() else {
+        return false;
+    };
+    match tokio::time::timeout(timeout, store.release(lease)).await {
+        Ok(Ok(())) => {
+            tracing::info!(key = %lease.key, token = %lease.token, "delivery lost before the handler started: lease released");
+            true
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(key = %lease.key, error = %e, "delivery lost: lease release failed; {otherwise}");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(key = %lease.key, "delivery lost: lease release timed out; {otherwise}");
+            false
+        }
+    }
+}
+
 /// How one executor call for a delivery ended ([`Execution::try_once`]).
 #[derive(Debug)]
 pub enum Step<T> {
@@ -303,38 +357,21 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
             ran.store(ctx.attempt(), Ordering::Relaxed);
             if !watched.is_cancelled() {
                 let cancel = ctx.cancellation_token().clone();
-                let mut run = std::pin::pin!(handler.call(record, ctx));
-                tokio::select! {
-                    biased;
-                    result = &mut run => return result,
-                    () = watched.cancelled() => {}
-                }
-                // Lost while it runs: let it finish, then ask it to stop. Never release.
-                if let Ok(result) = tokio::time::timeout(timeouts.orphan / 2, &mut run).await {
-                    return result;
-                }
-                tracing::warn!(
-                    "delivery lost: the handler is still running; signalling its cancellation token"
-                );
-                cancel.cancel();
-                return run.await;
+                return watch_handler(handler.call(record, ctx), cancel, &watched, timeouts.orphan)
+                    .await;
             }
             // Lost before the handler was called: give the key back without counting an
             // attempt, then never return, so the executor records nothing (the caller drops this
             // call).
-            if let Some(lease) = ctx.lease().cloned() {
-                match tokio::time::timeout(timeouts.release, store.release(&lease)).await {
-                    Ok(Ok(())) => {
-                        freed.store(true, Ordering::Relaxed);
-                        tracing::info!(key = %lease.key, token = %lease.token, "delivery lost before the handler started: lease released");
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!(key = %lease.key, error = %e, "delivery lost: lease release failed; the key stays held until its lease expires");
-                    }
-                    Err(_) => {
-                        tracing::warn!(key = %lease.key, "delivery lost: lease release timed out; the key stays held until its lease expires");
-                    }
-                }
+            if release_unstarted(
+                &store,
+                &ctx,
+                timeouts.release,
+                "the key stays held until its lease expires",
+            )
+            .await
+            {
+                freed.store(true, Ordering::Relaxed);
             }
             signal.cancel();
             std::future::pending().await
@@ -398,37 +435,25 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
             async move {
                 if !watched.is_cancelled() {
                     let cancel = ctx.cancellation_token().clone();
-                    let mut run = std::pin::pin!(handler.call(record, ctx));
-                    tokio::select! {
-                        biased;
-                        result = &mut run => return result,
-                        () = watched.cancelled() => {}
-                    }
-                    // Lost while it runs: let it finish, then ask it to stop. Never release.
-                    if let Ok(result) = tokio::time::timeout(timeouts.orphan / 2, &mut run).await {
-                        return result;
-                    }
-                    tracing::warn!(
-                        "delivery lost: the handler is still running; signalling its cancellation token"
-                    );
-                    cancel.cancel();
-                    return run.await;
+                    return watch_handler(
+                        handler.call(record, ctx),
+                        cancel,
+                        &watched,
+                        timeouts.orphan,
+                    )
+                    .await;
                 }
                 // Lost before the handler was called: give the key back without counting an
                 // attempt; the failure reported next is refused on the released lease.
-                if let Some(lease) = ctx.lease().cloned() {
-                    match tokio::time::timeout(timeouts.release, store.release(&lease)).await {
-                        Ok(Ok(())) => {
-                            released_ref[i].store(true, Ordering::Relaxed);
-                            tracing::info!(key = %lease.key, token = %lease.token, "delivery lost before the handler started: lease released");
-                        }
-                        Ok(Err(e)) => {
-                            tracing::warn!(key = %lease.key, error = %e, "delivery lost: lease release failed; recording a retryable failure instead");
-                        }
-                        Err(_) => {
-                            tracing::warn!(key = %lease.key, "delivery lost: lease release timed out; recording a retryable failure instead");
-                        }
-                    }
+                if release_unstarted(
+                    &store,
+                    &ctx,
+                    timeouts.release,
+                    "recording a retryable failure instead",
+                )
+                .await
+                {
+                    released_ref[i].store(true, Ordering::Relaxed);
                 }
                 Err(HandlerError::retryable(
                     "the delivery was lost before the handler started",

@@ -309,7 +309,7 @@ async fn batch_scripts_are_the_single_scripts_in_a_loop() {
 /// answered by their primaries.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_follows_a_slot_that_moved() {
-    use common::slots::{masters, move_slot, setslot};
+    use common::slots::{Migration, masters};
     let Some(store) = common::cluster().await else {
         return;
     };
@@ -325,18 +325,7 @@ async fn a_batch_follows_a_slot_that_moved() {
     assert!(warm[0].is_ok());
 
     let mut masters = masters().await;
-    let slot: u16 = redis::cmd("CLUSTER")
-        .arg("KEYSLOT")
-        .arg(&storage_key)
-        .query_async(&mut masters[0].1)
-        .await
-        .unwrap();
-    let owner = masters
-        .iter()
-        .position(|m| m.2.iter().any(|&(a, b)| a <= slot && slot <= b))
-        .unwrap();
-    let other = (owner + 1) % masters.len();
-    let (owner_id, other_id) = (masters[owner].0.clone(), masters[other].0.clone());
+    let moving = Migration::of(&mut masters, &storage_key).await;
     let batch = |ids: Vec<String>| requests(&ns, ids);
     let mut ids = vec!["moving".to_owned()];
     ids.extend(others[..10].iter().cloned());
@@ -344,14 +333,10 @@ async fn a_batch_follows_a_slot_that_moved() {
     let serving = primaries(&store, &batch(ids.clone())).await;
 
     // ASK: the slot is migrating and the key is not on its owner.
-    setslot(&mut masters[other].1, slot, &["IMPORTING", &owner_id]).await;
-    setslot(&mut masters[owner].1, slot, &["MIGRATING", &other_id]).await;
+    moving.begin(&mut masters).await;
     let (asked, asked_sent) = counted(&store, store.acquire_many(&batch(ids))).await;
     // MOVED: the migration finishes; the map the store read is stale.
-    setslot(&mut masters[other].1, slot, &["NODE", &other_id]).await;
-    setslot(&mut masters[owner].1, slot, &["NODE", &other_id]).await;
-    let third = 3 - owner - other;
-    setslot(&mut masters[third].1, slot, &["NODE", &other_id]).await;
+    moving.finish(&mut masters).await;
     let leases = match &asked {
         Ok(out) => leases(out),
         Err(_) => Vec::new(),
@@ -362,17 +347,12 @@ async fn a_batch_follows_a_slot_that_moved() {
     let after = store.acquire_many(&batch(ids)).await;
     let in_new_owner: Option<Vec<u8>> = redis::cmd("GET")
         .arg(&storage_key)
-        .query_async(&mut masters[other].1)
+        .query_async(&mut masters[moving.to].1)
         .await
         .unwrap();
 
     // Put everything back before asserting.
-    let _: () = redis::cmd("DEL")
-        .arg(&storage_key)
-        .query_async(&mut masters[other].1)
-        .await
-        .unwrap();
-    move_slot(&mut masters, slot, other, owner).await;
+    moving.undo(&mut masters, &storage_key).await;
 
     let asked = asked.expect("batch while the slot migrates");
     // One call per primary, then the refused item alone: its slot's call, answered ASK, and

@@ -603,7 +603,7 @@ mod standalone {
 
 mod cluster {
     use super::*;
-    use common::slots::{masters, move_slot, setslot};
+    use common::slots::{Migration, masters};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn replayed_transitions_succeed() {
@@ -700,30 +700,15 @@ mod cluster {
         assert!(store.get(&key).await.unwrap().is_none());
 
         let mut masters = masters().await;
-        let slot: u16 = redis::cmd("CLUSTER")
-            .arg("KEYSLOT")
-            .arg(&storage_key)
-            .query_async(&mut masters[0].1)
-            .await
-            .unwrap();
-        let owner = masters
-            .iter()
-            .position(|m| m.2.iter().any(|&(a, b)| a <= slot && slot <= b))
-            .unwrap();
-        let other = (owner + 1) % masters.len();
-        let (owner_id, other_id) = (masters[owner].0.clone(), masters[other].0.clone());
+        let moving = Migration::of(&mut masters, &storage_key).await;
 
         // ASK: the slot is migrating and the key is not on its owner.
-        setslot(&mut masters[other].1, slot, &["IMPORTING", &owner_id]).await;
-        setslot(&mut masters[owner].1, slot, &["MIGRATING", &other_id]).await;
+        moving.begin(&mut masters).await;
         let asked = store.acquire(&req).await;
         let asked_get = store.get(&key).await;
 
         // MOVED: the migration finishes; the store's slot map is stale.
-        setslot(&mut masters[other].1, slot, &["NODE", &other_id]).await;
-        setslot(&mut masters[owner].1, slot, &["NODE", &other_id]).await;
-        let third = 3 - owner - other;
-        setslot(&mut masters[third].1, slot, &["NODE", &other_id]).await;
+        moving.finish(&mut masters).await;
         let moved_get = store.get(&key).await;
         let moved_release = match &asked {
             Ok(AcquireOutcome::Acquired { lease, .. }) => Some(store.release(lease).await),
@@ -731,12 +716,7 @@ mod cluster {
         };
 
         // Put everything back before asserting.
-        let _: () = redis::cmd("DEL")
-            .arg(&storage_key)
-            .query_async(&mut masters[other].1)
-            .await
-            .unwrap();
-        move_slot(&mut masters, slot, other, owner).await;
+        moving.undo(&mut masters, &storage_key).await;
 
         assert!(
             matches!(asked, Ok(AcquireOutcome::Acquired { .. })),

@@ -64,3 +64,60 @@ pub async fn move_slot(masters: &mut [Master], slot: u16, from: usize, to: usize
         }
     }
 }
+
+/// A slot being moved from the master serving it (`from`) to the next one (`to`), indices in
+/// the masters list.
+pub struct Migration {
+    pub slot: u16,
+    pub from: usize,
+    pub to: usize,
+}
+
+impl Migration {
+    /// The slot of `storage_key` and the master serving it; nothing changed yet.
+    pub async fn of(masters: &mut [Master], storage_key: &[u8]) -> Self {
+        let slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(storage_key)
+            .query_async(&mut masters[0].1)
+            .await
+            .unwrap();
+        let from = masters
+            .iter()
+            .position(|m| m.2.iter().any(|&(a, b)| a <= slot && slot <= b))
+            .unwrap();
+        let to = (from + 1) % masters.len();
+        Self { slot, from, to }
+    }
+
+    /// The slot migrates (IMPORTING on `to`, MIGRATING on `from`): a key not on `from` is
+    /// answered ASK.
+    pub async fn begin(&self, masters: &mut [Master]) {
+        let (from_id, to_id) = (masters[self.from].0.clone(), masters[self.to].0.clone());
+        setslot(&mut masters[self.to].1, self.slot, &["IMPORTING", &from_id]).await;
+        setslot(&mut masters[self.from].1, self.slot, &["MIGRATING", &to_id]).await;
+    }
+
+    /// The migration ends: every master says `to` serves the slot (MOVED for a stale map).
+    pub async fn finish(&self, masters: &mut [Master]) {
+        let to_id = masters[self.to].0.clone();
+        setslot(&mut masters[self.to].1, self.slot, &["NODE", &to_id]).await;
+        setslot(&mut masters[self.from].1, self.slot, &["NODE", &to_id]).await;
+        for (i, master) in masters.iter_mut().enumerate() {
+            if i != self.from && i != self.to {
+                setslot(&mut master.1, self.slot, &["NODE", &to_id]).await;
+            }
+        }
+    }
+
+    /// Puts the slot back on `from` (deletes `storage_key` on `to` first: a slot must be empty
+    /// to move).
+    pub async fn undo(&self, masters: &mut [Master], storage_key: &[u8]) {
+        let _: () = redis::cmd("DEL")
+            .arg(storage_key)
+            .query_async(&mut masters[self.to].1)
+            .await
+            .unwrap();
+        move_slot(masters, self.slot, self.to, self.from).await;
+    }
+}
