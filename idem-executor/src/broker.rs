@@ -408,7 +408,8 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
     /// lease expired would count it, and the key is free at once).
     ///
     /// Once `lost` is cancelled the whole call gets most of the orphan timeout; then it is
-    /// dropped and every message not yet answered is [`Step::Abandoned`] (leases left to expire).
+    /// dropped and every message is [`Step::Abandoned`] (the leases not released left to
+    /// expire).
     ///
     /// `msgs` holds at most [`max_batch`](Self::max_batch) messages; a larger slice gets a
     /// [`ExecutorError::Store`] per message (stage acquire, handler not run).
@@ -467,14 +468,20 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
         };
         let results = tokio::select! {
             biased;
-            results = call => results,
-            () = deadline => {
-                tracing::warn!(
-                    messages = msgs.len(),
-                    "delivery lost: the executor batch did not end in time and is dropped; its leases (not released) expire and the next owners take them over"
-                );
-                return msgs.iter().map(|_| Step::Abandoned { lease_released: false }).collect();
-            }
+            results = call => Some(results),
+            () = deadline => None,
+        };
+        let Some(results) = results else {
+            tracing::warn!(
+                messages = msgs.len(),
+                "delivery lost: the executor batch did not end in time and is dropped; its leases not released expire and the next owners take them over"
+            );
+            return released
+                .into_iter()
+                .map(|released| Step::Abandoned {
+                    lease_released: released.into_inner(),
+                })
+                .collect();
         };
         let results = match results {
             Ok(results) => results,

@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 pub use idem_executor::DeadLetterReason;
-use idem_executor::{ExecutorError, Outcome};
+use idem_executor::broker::{DeadLetterInfo, attempts_value};
+pub use idem_executor::broker::{HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_REASON};
 use rdkafka::message::{Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Timestamp};
@@ -11,15 +12,6 @@ use rdkafka::{ClientConfig, Timestamp};
 use crate::error::RunnerError;
 use crate::message::KafkaMessage;
 
-/// Header naming why the record was dead-lettered: a [`DeadLetterReason`] code.
-pub const HEADER_REASON: &str = "idem-dlq-reason";
-/// Header with the error text: the last recorded error, or what was wrong with the record.
-pub const HEADER_ERROR: &str = "idem-dlq-error";
-/// Header with the number of attempts the store counted for the key (decimal; `0` when the
-/// handler never ran for this payload, as for a conflict or an unreadable record).
-pub const HEADER_ATTEMPTS: &str = "idem-dlq-attempts";
-/// Header with the idempotency key id, when the record had a readable one.
-pub const HEADER_KEY: &str = "idem-dlq-key";
 /// Header with the topic the record was read from.
 pub const HEADER_SOURCE_TOPIC: &str = "idem-dlq-source-topic";
 /// Header with the partition the record was read from (decimal).
@@ -65,50 +57,6 @@ impl DeadLetterTopic {
     }
 }
 
-/// What the runner writes beside the original record.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct DeadLetterInfo {
-    pub(crate) reason: DeadLetterReason,
-    pub(crate) error: String,
-    /// `None` when the count must be read from the store.
-    pub(crate) attempts: Option<u32>,
-}
-
-/// What to write for a result whose broker action is
-/// [`BrokerAction::DeadLetter`](idem_executor::BrokerAction::DeadLetter): the action's `reason`
-/// and `error`, and the attempt count. `attempt` is the attempt of the handler run in this call
-/// (0 when the handler did not run).
-pub(crate) fn classify<T>(
-    result: &Result<Outcome<T>, ExecutorError>,
-    reason: DeadLetterReason,
-    error: String,
-    attempt: u32,
-) -> DeadLetterInfo {
-    let ran = (attempt > 0).then_some(attempt);
-    let attempts = match result {
-        // The handler never ran for this payload.
-        Ok(Outcome::Conflict)
-        | Err(
-            ExecutorError::MissingKey
-            | ExecutorError::InvalidKey(_)
-            | ExecutorError::InvalidMessage { .. },
-        ) => Some(0),
-        Ok(Outcome::Exhausted { attempts, .. }) => Some(*attempts),
-        Ok(Outcome::NotCommitted { attempt, .. }) => Some(*attempt),
-        // Un-deduplicated: the one run of this call, counted nowhere else.
-        Ok(Outcome::NotDeduplicated { .. }) => Some(1),
-        // A replayed result that does not decode: the count is the store's.
-        Err(ExecutorError::Decode { .. }) => None,
-        // `Failed`, `ResultNotStored`: this call's run, or (replayed) the store's count.
-        _ => ran,
-    };
-    DeadLetterInfo {
-        reason,
-        error,
-        attempts,
-    }
-}
-
 /// The original headers followed by the dead-letter headers.
 pub(crate) fn headers(
     msg: &KafkaMessage,
@@ -126,7 +74,7 @@ pub(crate) fn headers(
             });
         }
     }
-    let attempts = attempts.map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+    let attempts = attempts_value(attempts);
     let partition = msg.partition().to_string();
     let offset = msg.offset().to_string();
     let ours: [(&str, Option<&str>); 7] = [
@@ -211,7 +159,8 @@ impl DeadLetterProducer {
 
 #[cfg(test)]
 mod tests {
-    use idem_executor::{BrokerAction, Outcome};
+    use idem_executor::broker::classify;
+    use idem_executor::{BrokerAction, ExecutorError, Outcome};
     use rdkafka::message::OwnedMessage;
 
     use super::*;

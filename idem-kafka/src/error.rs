@@ -48,6 +48,15 @@ pub enum RunnerError {
     PollThread(String),
 }
 
+impl From<idem_executor::broker::OptionError> for RunnerError {
+    fn from(e: idem_executor::broker::OptionError) -> Self {
+        Self::Config {
+            field: e.field,
+            reason: e.reason,
+        }
+    }
+}
+
 impl RunnerError {
     pub(crate) fn config(field: &'static str, reason: impl Into<String>) -> Self {
         Self::Config {

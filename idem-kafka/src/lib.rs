@@ -3,7 +3,6 @@
 mod context;
 mod dead_letter;
 mod error;
-mod execute;
 mod flow;
 mod message;
 mod options;

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use idem_executor::broker;
+
 use crate::dead_letter::DeadLetterTopic;
 use crate::error::RunnerError;
 
@@ -170,7 +172,7 @@ impl RunnerOptions {
 
     /// The pause before trying a record again, from the outcome's hint.
     pub(crate) fn retry_delay(&self, hint: Duration) -> Duration {
-        hint.clamp(self.min_retry_delay, self.max_retry_delay)
+        broker::retry_delay(hint, self.min_retry_delay, self.max_retry_delay)
     }
 
     pub(crate) fn validate(&self) -> Result<(), RunnerError> {
@@ -186,26 +188,14 @@ impl RunnerOptions {
                 "must be at least 1",
             ));
         }
-        if self.min_retry_delay.is_zero() || self.min_retry_delay > self.max_retry_delay {
-            return Err(RunnerError::config(
-                "retry_delay",
-                format!(
-                    "min {:?} must be above zero and at most max {:?}",
-                    self.min_retry_delay, self.max_retry_delay
-                ),
-            ));
-        }
-        for (field, d) in [
-            ("commit_interval", self.commit_interval),
-            ("dead_letter_timeout", self.dead_letter_timeout),
-            ("revoke_timeout", self.revoke_timeout),
-            ("release_timeout", self.release_timeout),
-            ("poll_interval", self.poll_interval),
-        ] {
-            if d.is_zero() {
-                return Err(RunnerError::config(field, "must be above zero"));
-            }
-        }
+        broker::check_delays("retry_delay", self.min_retry_delay, self.max_retry_delay)?;
+        broker::check_nonzero([
+            ("commit_interval", &self.commit_interval),
+            ("dead_letter_timeout", &self.dead_letter_timeout),
+            ("revoke_timeout", &self.revoke_timeout),
+            ("release_timeout", &self.release_timeout),
+            ("poll_interval", &self.poll_interval),
+        ])?;
         if self.release_timeout >= self.revoke_timeout {
             return Err(RunnerError::config(
                 "release_timeout",

@@ -18,12 +18,12 @@ use tokio_util::sync::CancellationToken;
 use crate::context::{RunnerContext, Shared, Slot, SpawnWorker};
 use crate::dead_letter::DeadLetterProducer;
 use crate::error::RunnerError;
-use crate::execute::Execution;
 use crate::flow::Flow;
 use crate::message::KafkaMessage;
 use crate::options::RunnerOptions;
 use crate::stats::RunnerStats;
 use crate::worker::{Common, Worker};
+use idem_executor::broker::Execution;
 
 /// Consumer properties the runner sets itself, whatever the configuration says.
 const FORCED: [(&str, &str); 2] = [

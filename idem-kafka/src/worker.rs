@@ -14,8 +14,9 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::dead_letter::{self, DeadLetterInfo, DeadLetterProducer};
-use crate::execute::{Execution, Step};
+use idem_executor::broker::{self, DeadLetterInfo, Execution, LostTimeouts, Step};
+
+use crate::dead_letter::{self, DeadLetterProducer};
 use crate::flow::Flow;
 use crate::message::KafkaMessage;
 use crate::options::RunnerOptions;
@@ -51,7 +52,7 @@ pub(crate) struct Worker<H, T, C, R = Plain> {
     pub(crate) flow: Arc<Mutex<Flow>>,
     pub(crate) records: mpsc::UnboundedReceiver<KafkaMessage>,
     /// Cancelled when the partition is revoked (or the drain timed out): the record in process
-    /// gets the revoke timeout to finish (see [`Execution::try_once`]), nothing more starts.
+    /// gets the revoke timeout to finish (see [`Execution::try_batch`]), nothing more starts.
     pub(crate) revoke: CancellationToken,
     /// Dropped when the worker ends; the poll thread waits on it.
     pub(crate) _exited: std::sync::mpsc::Sender<()>,
@@ -152,28 +153,35 @@ where
                     Err(_) => return Next::Abandoned,
                 },
             };
-            let step = common
+            let timeouts = LostTimeouts {
+                orphan: common.options.revoke_timeout,
+                release: common.options.release_timeout,
+            };
+            let steps = common
                 .execution
-                .try_batch(
-                    &batch[start..],
-                    &self.revoke,
-                    &common.options,
-                    &common.stats,
-                )
+                .try_batch(&batch[start..], &self.revoke, timeouts)
                 .await;
             drop(permit);
-            let results = match step {
-                Step::Revoked => return Next::Abandoned,
-                Step::Done { results } => results,
-            };
             let revoked = self.revoke.is_cancelled();
-            for (at, (result, _)) in results.iter().enumerate() {
-                if matches!(result, Ok(Outcome::Executed(_))) {
-                    executed[start + at] = true;
+            for (at, step) in steps.iter().enumerate() {
+                match step {
+                    Step::Done {
+                        result: Ok(Outcome::Executed(_)),
+                        ..
+                    } => executed[start + at] = true,
+                    Step::Abandoned {
+                        lease_released: true,
+                    } => RunnerStats::count(&common.stats.released, m::RELEASED),
+                    _ => {}
                 }
             }
             let mut delay = None;
-            for (result, attempt) in results {
+            for step in steps {
+                // Only a revocation abandons a record (its lease released, or the whole batch
+                // dropped past the revoke timeout): the records before it are resolved.
+                let Step::Done { result, attempt } = step else {
+                    return Next::Abandoned;
+                };
                 let msg = &batch[start];
                 match BrokerAction::of(&result) {
                     BrokerAction::Ack => {
@@ -201,7 +209,7 @@ where
                     }
                     _ if revoked => return Next::Abandoned,
                     BrokerAction::DeadLetter { reason, error } => {
-                        let info = dead_letter::classify(&result, reason, error, attempt);
+                        let info = broker::classify(&result, reason, error, attempt);
                         drop(result);
                         // The outcome is final: only the dead-letter write is tried again, never
                         // the executor call (which, for an un-deduplicated record, would run the
@@ -286,10 +294,10 @@ where
     async fn dead_letter(&self, msg: &KafkaMessage, info: &DeadLetterInfo) -> Result<(), ()> {
         let common = &self.common;
         let key_id = common.execution.key_id(msg);
-        let attempts = match info.attempts {
-            Some(n) => Some(n),
-            None => common.execution.stored_attempts(key_id.as_deref()).await,
-        };
+        let attempts = common
+            .execution
+            .dead_letter_attempts(info, key_id.as_deref())
+            .await;
         let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
         let sent = tokio::select! {
             biased;
