@@ -373,3 +373,44 @@ async fn a_batch_follows_a_slot_that_moved() {
         "the record is on the slot's new primary"
     );
 }
+
+/// A store may allow batches larger than one `MGET` (or Lua's `unpack`) takes at once: a batch
+/// of 10,000 keys (more than `unpack` returns at once) is read in chunks and answered whole,
+/// in one call.
+#[tokio::test]
+async fn a_batch_larger_than_one_read_is_answered_whole() {
+    if common::standalone().await.is_none() {
+        return;
+    }
+    let limits = idem_core::Limits::default().with_max_batch(10_000);
+    let store = RedisStore::connect_with(&common::url(), common::config().with_limits(limits))
+        .await
+        .expect("store");
+    let ns = Namespace::new("large").unwrap();
+    let reqs = requests(&ns, (0..10_000).map(|i| format!("key-{i}")));
+    let (out, sent) = counted(&store, store.acquire_many(&reqs)).await;
+    let out = out.expect("batch");
+    assert_eq!(sent, 1);
+    let ls = leases(&out);
+    assert_eq!(ls.len(), 10_000, "every key acquired");
+    let completions: Vec<Completion> = ls
+        .into_iter()
+        .map(|l| Completion::new(l, Bytes::from_static(b"ok")))
+        .collect();
+    let done = store
+        .complete_many(&completions, RETENTION)
+        .await
+        .expect("batch");
+    assert!(done.iter().all(Result::is_ok));
+    // Read back through a batch again: every key replays.
+    let again = store.acquire_many(&reqs).await.expect("batch");
+    assert!(
+        again
+            .iter()
+            .all(|o| matches!(o, Ok(AcquireOutcome::Replayed { .. }))),
+        "{:?}",
+        again
+            .iter()
+            .find(|o| !matches!(o, Ok(AcquireOutcome::Replayed { .. })))
+    );
+}

@@ -18,11 +18,13 @@ end
 -- nothing and the item fails as corrupt, as its GET would have made it. Without declared keys
 -- (a cluster primary's items of many slots, which one MGET cannot read) each item reads its
 -- key with GET.
+-- (One MGET per 1,000 keys: `unpack` has a bounded stack, and a store may allow larger batches.)
 local prefetched, written = {}, {}
-if #KEYS > 0 then
-  local values = redis.call('MGET', unpack(KEYS))
-  for i = 1, #KEYS do
-    prefetched[KEYS[i]] = values[i]
+for first = 1, #KEYS, 1000 do
+  local last = math.min(first + 999, #KEYS)
+  local values = redis.call('MGET', unpack(KEYS, first, last))
+  for i = first, last do
+    prefetched[KEYS[i]] = values[i - first + 1]
   end
 end
 
