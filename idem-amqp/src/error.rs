@@ -27,6 +27,16 @@ pub enum RunnerError {
         #[source]
         source: lapin::Error,
     },
+
+    /// The first connection, and what the runner does on it before consuming, did not finish
+    /// within [`connect_timeout`](crate::RunnerOptions::connect_timeout).
+    #[error("amqp: {context} did not finish within {after:?}")]
+    TimedOut {
+        /// What the runner was doing.
+        context: &'static str,
+        /// The timeout.
+        after: std::time::Duration,
+    },
 }
 
 impl From<idem_executor::broker::OptionError> for RunnerError {

@@ -33,6 +33,12 @@ pub struct RunnerOptions {
     pub max_retry_delay: Duration,
     /// Longest wait for the broker to confirm a retry or dead-letter publication (default 30 s).
     pub publish_timeout: Duration,
+    /// Longest wait for a connection and what the runner does on it before consuming (channels,
+    /// declarations, `basic.consume`), default 30 s: a broker that accepts the TCP connection
+    /// but never finishes the handshake fails the first connection
+    /// ([`RunnerError::TimedOut`](crate::RunnerError::TimedOut)) or counts as a failed
+    /// reconnection, never hangs the runner.
+    pub connect_timeout: Duration,
     /// How long a handler may go on after its delivery was lost (its channel or connection
     /// closed, or the drain timed out) before it is dropped (default 10 s). It is signalled
     /// through its context's cancellation token half-way. Its lease is never released once it
@@ -65,6 +71,7 @@ impl Default for RunnerOptions {
             min_retry_delay: Duration::from_millis(100),
             max_retry_delay: Duration::from_secs(5),
             publish_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(30),
             orphan_timeout: Duration::from_secs(10),
             release_timeout: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
@@ -86,6 +93,12 @@ impl RunnerOptions {
     pub fn with_retry_delays(mut self, min: Duration, max: Duration) -> Self {
         self.min_retry_delay = min;
         self.max_retry_delay = max;
+        self
+    }
+
+    /// Sets [`connect_timeout`](Self::connect_timeout).
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
         self
     }
 
@@ -164,7 +177,10 @@ impl RunnerOptions {
             self.min_reconnect_delay,
             self.max_reconnect_delay,
         )?;
-        broker::check_nonzero([("publish_timeout", &self.publish_timeout)])?;
+        broker::check_nonzero([
+            ("publish_timeout", &self.publish_timeout),
+            ("connect_timeout", &self.connect_timeout),
+        ])?;
         self.lost_timeouts().validate()?;
         if self.consumer_tag.len() > 255 {
             return Err(RunnerError::config(

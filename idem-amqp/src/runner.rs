@@ -143,8 +143,9 @@ where
     ///
     /// # Errors
     /// [`RunnerError::Amqp`] when the *first* connection, the declarations or `basic.consume`
-    /// fail (a wrong URI, credentials, a queue declared with other arguments): later failures
-    /// are retried.
+    /// fail (a wrong URI, credentials, a queue declared with other arguments), and
+    /// [`RunnerError::TimedOut`] when they do not finish within
+    /// [`connect_timeout`](RunnerOptions::connect_timeout): later failures are retried.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RunnerError> {
         let stop = CancellationToken::new();
         let mut shutdown = std::pin::pin!(shutdown);
@@ -168,7 +169,12 @@ where
             let opened = tokio::select! {
                 biased;
                 () = stop.cancelled() => return Ok(()),
-                opened = self.open() => opened,
+                opened = tokio::time::timeout(self.common.options.connect_timeout, self.open()) => {
+                    opened.unwrap_or(Err(RunnerError::TimedOut {
+                        context: "connecting and declaring",
+                        after: self.common.options.connect_timeout,
+                    }))
+                }
             };
             match opened {
                 Ok(session) => {

@@ -320,3 +320,46 @@ async fn shutdown_drains_in_flight_deliveries_and_gives_the_rest_back() {
     }
     cleanup(&url, &topology).await;
 }
+
+/// A broker that accepts the TCP connection and never answers the handshake: the first
+/// connection fails with `TimedOut` after `connect_timeout`, the runner does not hang. Needs no
+/// RabbitMQ (the "broker" is a listener of this test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_never_answers_times_out() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // Accepts, then holds the sockets open without a byte.
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let store = shared(idem_core::MemoryStore::new());
+    let handler = |_msg: AmqpMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(1u8) };
+    let runner = AmqpRunner::builder(
+        format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+        topology("silent", QueueType::Classic),
+        executor(store, ExecutorConfig::new("amqp-silent")),
+        handler,
+    )
+    .options(options().with_connect_timeout(Duration::from_millis(300)))
+    .build()
+    .expect("runner");
+    let started = Instant::now();
+    let ran = tokio::time::timeout(Duration::from_secs(20), runner.run(std::future::pending()))
+        .await
+        .expect("the runner gave up instead of hanging");
+    assert!(
+        matches!(
+            ran,
+            Err(idem_amqp::RunnerError::TimedOut {
+                after,
+                ..
+            }) if after == Duration::from_millis(300)
+        ),
+        "{ran:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    silent.abort();
+}

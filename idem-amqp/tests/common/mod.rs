@@ -68,11 +68,14 @@ pub fn init_tracing() {
 }
 
 pub async fn connect(url: &str) -> Connection {
-    Connection::connect(url, ConnectionProperties::default())
-        .await
-        .unwrap_or_else(|e| {
-            panic!("no RabbitMQ at {url} ({e}); set {AMQP_VAR} or start it with scripts/services.sh rabbitmq")
-        })
+    let attempt = Connection::connect(url, ConnectionProperties::default());
+    match tokio::time::timeout(Duration::from_secs(30), attempt).await {
+        Ok(Ok(connection)) => connection,
+        Ok(Err(e)) => panic!(
+            "no RabbitMQ at {url} ({e}); set {AMQP_VAR} or start it with scripts/services.sh rabbitmq"
+        ),
+        Err(_) => panic!("RabbitMQ at {url} did not finish the handshake within 30 s"),
+    }
 }
 
 /// A topology under a fresh queue name.
@@ -416,9 +419,12 @@ impl PrivateNode {
         let up = wait_for(Duration::from_secs(60), || {
             let url = url.clone();
             async move {
-                Connection::connect(&url, ConnectionProperties::default())
-                    .await
-                    .is_ok()
+                // Bounded: an attempt that meets the node mid-boot may never be answered.
+                let attempt = Connection::connect(&url, ConnectionProperties::default());
+                matches!(
+                    tokio::time::timeout(Duration::from_secs(5), attempt).await,
+                    Ok(Ok(_))
+                )
             }
         })
         .await;
