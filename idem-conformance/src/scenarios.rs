@@ -308,10 +308,12 @@ pub async fn c04_conflict_in_every_state(h: &Harness) {
 pub async fn c05_busy_with_retry_after(h: &Harness) {
     let ns = h.namespace();
     let key = h.key(&ns, "busy");
-    let lease_ttl = h.config().lease_ttl;
-    acquired(h, &short_request(h, &key, A)).await;
+    // The long lease: on a slow store (DynamoDB on LocalStack under load) three calls can take
+    // longer than the short one, which would then expire between them.
+    let lease_ttl = h.config().long_lease_ttl;
+    acquired(h, &request(h, &key, A)).await;
     let before = get(h, &key).await;
-    match acquire(h, &short_request(h, &key, B)).await {
+    match acquire(h, &request(h, &key, B)).await {
         AcquireOutcome::InProgress { owner, retry_after } => {
             assert_eq!(owner, A, "C05: busy names the holder");
             assert!(
