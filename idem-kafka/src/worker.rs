@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 
-use idem_executor::{BrokerAction, Codec, ExecutorError, Handler, Outcome, Plain, Recorder};
+use idem_executor::{BrokerAction, Codec, Handler, Outcome, Plain, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{Semaphore, mpsc};
@@ -202,7 +202,7 @@ where
                         self.resolved(msg);
                         tracing::debug!(
                             offset = msg.offset(),
-                            outcome = outcome_name(&result),
+                            outcome = broker::outcome_name(&result),
                             "resolved"
                         );
                         start += 1;
@@ -222,7 +222,7 @@ where
                     BrokerAction::Retry { after } => {
                         tracing::debug!(
                             offset = msg.offset(),
-                            outcome = outcome_name(&result),
+                            outcome = broker::outcome_name(&result),
                             hint = ?after,
                             "not resolved: pausing before trying it again"
                         );
@@ -364,14 +364,6 @@ impl BusyWait {
             .unwrap_or(options.max_retry_delay);
         next.min(retry_after + Duration::from_millis(1))
             .clamp(options.min_retry_delay, options.max_retry_delay)
-    }
-}
-
-fn outcome_name<T>(result: &Result<Outcome<T>, ExecutorError>) -> &'static str {
-    match result {
-        Ok(outcome) => outcome.name(),
-        Err(ExecutorError::Store { .. }) => "store_error",
-        Err(_) => "error",
     }
 }
 
