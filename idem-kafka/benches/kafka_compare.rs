@@ -16,10 +16,12 @@
 //!    the cheapest dedupe there is, with none of the runner's guarantees (no fencing, no
 //!    heartbeats, no replayed results, no dead letters);
 //! 3. **runner**: `KafkaRunner` with a `RedisStore`, default options (`max_in_flight` set to the
-//!    partition count) and a no-op handler.
+//!    partition count) and a no-op handler;
+//! 4. **runner, memory**: the same runner with a `MemoryStore` (no server round trip): the
+//!    runner's own ceiling on this broker, for telling its cost apart from the store's.
 //!
 //! Each figure is records per second from the first record received to the last one processed
-//! (the group join excluded). Prints the three, and the ratio runner / hand-written.
+//! (the group join excluded). Prints the four, and the ratio runner / hand-written.
 //! Endpoints as in the tests (`IDEM_KAFKA_BROKERS`, `IDEM_REDIS_URL`); without them it prints one
 //! "skipped" line (with `CI=true`: fails).
 #![allow(missing_docs)]
@@ -159,9 +161,13 @@ async fn hand_written(topic: &str, records: usize) -> f64 {
     (records - 1) as f64 / first.elapsed().as_secs_f64()
 }
 
-/// Records per second of the runner with Redis.
-async fn runner(topic: &str, records: usize, partitions: usize) -> f64 {
-    let store = shared(redis_store(&format!("{}:", unique("idem-kafka-compare"))).await);
+/// Records per second of the runner with Redis (`memory`: with a `MemoryStore`).
+async fn runner(topic: &str, records: usize, partitions: usize, memory: bool) -> f64 {
+    let store = if memory {
+        shared(idem_core::MemoryStore::new())
+    } else {
+        shared(redis_store(&format!("{}:", unique("idem-kafka-compare"))).await)
+    };
     let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
     let runner = KafkaRunner::builder(
         consumer_config(&unique("runner")),
@@ -230,18 +236,20 @@ async fn main() {
         eprintln!("  raw: {raw:.0} records/s");
         let hand = hand_written(&topic, records).await;
         eprintln!("  hand-written: {hand:.0} records/s");
-        let ours = runner(&topic, records, partitions as usize).await;
+        let ours = runner(&topic, records, partitions as usize, false).await;
         eprintln!("  runner: {ours:.0} records/s");
-        rows.push((partitions, raw, hand, ours));
+        let memory = runner(&topic, records, partitions as usize, true).await;
+        eprintln!("  runner, memory: {memory:.0} records/s");
+        rows.push((partitions, raw, hand, ours, memory));
     }
     println!("kafka_compare: {records} records, every key fresh, no-op handler, Redis store:");
     println!(
-        "| partitions | raw rdkafka, no store | hand-written SET NX + SET | runner | runner / hand-written |"
+        "| partitions | raw rdkafka, no store | hand-written SET NX + SET | runner | runner / hand-written | runner, MemoryStore |"
     );
-    println!("|---|---|---|---|---|");
-    for (partitions, raw, hand, ours) in rows {
+    println!("|---|---|---|---|---|---|");
+    for (partitions, raw, hand, ours, memory) in rows {
         println!(
-            "| {partitions} | {raw:.0} | {hand:.0} | {ours:.0} | {:.2}x |",
+            "| {partitions} | {raw:.0} | {hand:.0} | {ours:.0} | {:.2}x | {memory:.0} |",
             ours / hand
         );
     }

@@ -15,7 +15,7 @@ use redis::Value;
 use redis::cluster_routing::Slot;
 
 use crate::codec::{self, Fenced};
-use crate::conn::map_error;
+use crate::conn::{Call, map_error};
 use crate::scripts::{LuaScript, build_batch};
 use crate::store::RedisStore;
 
@@ -96,6 +96,44 @@ fn misplaced(reply: &Value) -> bool {
         _ => return false,
     };
     text.contains("non local key") || text.contains("cluster is down")
+}
+
+/// Adds the arguments of the items of `group` to a batch call (see `lua/batch.lua`): how many
+/// each item has, which of them every item of the group shares (a `1` per shared position, a `0`
+/// per own one), the shared values once, then each item's own values, after its key when
+/// `inline` (no declared keys). The owner, lease and attempts of an acquire batch, for instance,
+/// travel once per call instead of once per item.
+fn add_args(
+    call: &mut Call<'_>,
+    per_item: usize,
+    items: &[Result<Item>],
+    group: &[usize],
+    inline: bool,
+) {
+    let first = checked(items, group[0]);
+    let shared: Vec<bool> = (0..per_item)
+        .map(|j| {
+            group[1..]
+                .iter()
+                .all(|&i| checked(items, i).args[j] == first.args[j])
+        })
+        .collect();
+    call.arg(per_item);
+    let mask: String = shared.iter().map(|&s| if s { '1' } else { '0' }).collect();
+    call.arg(mask);
+    for (arg, _) in first.args.iter().zip(&shared).filter(|(_, s)| **s) {
+        call.arg(arg.as_slice());
+    }
+    for &i in group {
+        let item = checked(items, i);
+        debug_assert_eq!(item.args.len(), per_item);
+        if inline {
+            call.arg(item.key.as_slice());
+        }
+        for (arg, _) in item.args.iter().zip(&shared).filter(|(_, s)| !**s) {
+            call.arg(arg.as_slice());
+        }
+    }
 }
 
 impl RedisStore {
@@ -205,14 +243,7 @@ impl RedisStore {
         for &i in &group[1..] {
             call.key(&checked(items, i).key);
         }
-        call.arg(per_item);
-        for &i in &group {
-            let item = checked(items, i);
-            debug_assert_eq!(item.args.len(), per_item);
-            for arg in &item.args {
-                call.arg(arg.as_slice());
-            }
-        }
+        add_args(&mut call, per_item, items, &group, false);
         let reply = self.run(first, &call).await;
         (group, reply)
     }
@@ -245,15 +276,7 @@ impl RedisStore {
             .filter(|(_, group)| !group.is_empty())
             .map(|(p, group)| {
                 let mut call = script.keyless_call();
-                call.arg(per_item);
-                for &i in group {
-                    let item = checked(items, i);
-                    debug_assert_eq!(item.args.len(), per_item);
-                    call.arg(item.key.as_slice());
-                    for arg in &item.args {
-                        call.arg(arg.as_slice());
-                    }
-                }
+                add_args(&mut call, per_item, items, group, true);
                 (p, call)
             })
             .collect();

@@ -248,35 +248,104 @@ async fn same_key_twice_runs_in_order() {
 }
 
 /// A value that is not a record fails its own item (`CorruptRecord`); the other items of the
-/// batch are answered as usual and the bad value is left as it was.
+/// batch are answered as usual and the bad value is left as it was. A key of another type (a
+/// list, which the batch's `MGET` reads as absent) among fresh keys, twice: both of its items
+/// fail, the list is untouched, and the fresh keys around it are acquired and stored (an
+/// acquire batch writes its new records together at the end of the call; one key of another
+/// type among them must not cost the others their writes).
 async fn corrupt_item(store: &RedisStore) {
     let ns = Namespace::new("corrupt").unwrap();
-    let reqs = requests(&ns, ["before", "bad", "after"].map(String::from));
+    let reqs = requests(
+        &ns,
+        ["before", "bad", "list", "middle", "list", "after"].map(String::from),
+    );
     let bad_key = String::from_utf8(store.storage_key(&reqs[1].key)).unwrap();
+    let list_key = String::from_utf8(store.storage_key(&reqs[2].key)).unwrap();
     let mut admin = common::Admin::of(store).await;
     admin
         .query::<()>(redis::cmd("SET").arg(&bad_key).arg("not a record"))
         .await;
+    admin
+        .query::<()>(redis::cmd("RPUSH").arg(&list_key).arg("x"))
+        .await;
     let out = store.acquire_many(&reqs).await.expect("batch");
-    assert!(
-        matches!(out[0], Ok(AcquireOutcome::Acquired { .. })),
-        "{:?}",
-        out[0]
-    );
+    for i in [0, 3, 5] {
+        assert!(
+            matches!(out[i], Ok(AcquireOutcome::Acquired { .. })),
+            "{i}: {:?}",
+            out[i]
+        );
+        let record = store.get(&reqs[i].key).await.expect("get");
+        assert!(
+            record.is_some_and(|r| r.state == idem_core::RecordState::InProgress),
+            "{i} is stored in progress"
+        );
+    }
     assert!(
         matches!(&out[1], Err(Error::CorruptRecord { key, .. }) if *key == bad_key),
         "{:?}",
         out[1]
     );
-    assert!(
-        matches!(out[2], Ok(AcquireOutcome::Acquired { .. })),
-        "{:?}",
-        out[2]
-    );
+    for i in [2, 4] {
+        assert!(
+            matches!(&out[i], Err(Error::CorruptRecord { key, .. }) if *key == list_key),
+            "{i}: {:?}",
+            out[i]
+        );
+    }
     assert_eq!(
         admin.get(&bad_key).await.as_deref(),
         Some(&b"not a record"[..])
     );
+    let list: Vec<String> = admin
+        .query(redis::cmd("LRANGE").arg(&list_key).arg(0).arg(-1))
+        .await;
+    assert_eq!(list, ["x"], "the list is left as it was");
+}
+
+/// Items of one batch with their own owners, leases and fingerprints (a batch sends the
+/// arguments its items share once): each record holds its own.
+async fn own_arguments(store: &RedisStore) {
+    let ns = Namespace::new("own-args").unwrap();
+    let reqs: Vec<AcquireRequest> = (0..6)
+        .map(|i| {
+            let req =
+                AcquireRequest::new(ns.key(format!("k{i}")).unwrap(), format!("owner-{}", i % 2))
+                    .with_lease_ttl(Duration::from_secs(10 + i % 3));
+            if i == 4 {
+                req
+            } else {
+                req.with_fingerprint(idem_core::Fingerprint::of(format!("payload-{}", i % 2)))
+            }
+        })
+        .collect();
+    let out = store.acquire_many(&reqs).await.expect("batch");
+    for (req, outcome) in reqs.iter().zip(&out) {
+        let Ok(AcquireOutcome::Acquired { lease, .. }) = outcome else {
+            panic!("{outcome:?}");
+        };
+        let record = store.get(&req.key).await.expect("get").expect("stored");
+        assert_eq!(record.owner, req.owner);
+        assert_eq!(record.fingerprint, req.fingerprint);
+        let lease_ms = record
+            .lease_expires_at
+            .expect("in progress")
+            .duration_since(record.updated_at)
+            .unwrap()
+            .as_millis();
+        assert_eq!(lease_ms, req.lease_ttl.as_millis(), "{}", req.owner);
+        assert_eq!(record.token, lease.token);
+    }
+}
+
+#[tokio::test]
+async fn items_keep_their_own_arguments() {
+    if let Some(store) = common::standalone().await {
+        own_arguments(&store).await;
+    }
+    if let Some(store) = common::cluster().await {
+        own_arguments(&store).await;
+    }
 }
 
 #[tokio::test]

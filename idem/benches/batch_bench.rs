@@ -10,7 +10,13 @@
 //! - unbatched: each task loops `acquire` then `complete`, one message at a time;
 //! - batched: each task loops `acquire_many` of 100 keys then `complete_many` of the 100 leases.
 //!
-//! and prints messages per second of each and their ratio. On the cluster it runs the batched
+//! and prints messages per second of each and their ratio. On the standalone server it also runs
+//! a raw baseline with no store, in the same run: 64 tasks each looping one pipeline of 100
+//! `SET key 1 NX PX 30000`, then one pipeline of 100 `SET key done EX 600` (the cheapest
+//! dedupe there is, with none of the store's guarantees: no fencing, no tokens, no replayed
+//! results); and for each standalone row the server's CPU time per message (`INFO cpu`, user +
+//! system, before and after), which tells the server's work per message apart from the
+//! client's and the network's. On the cluster it runs the batched
 //! loop twice: with ids spread over the slots (one script call per slot, so about one per key,
 //! sent concurrently) and with the ids of each batch under one hash tag (one call per batch).
 //! Prints figures only; asserts nothing.
@@ -19,7 +25,10 @@
 //! (default the three nodes `127.0.0.1:7001-7003`), `IDEM_POSTGRES_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`; the bench migrates a schema of its own and drops
 //! it at the end). A store that cannot be reached is reported and skipped.
-//! `IDEM_BENCH_SECONDS` (default 3): the length of each measurement. `IDEM_BENCH_STORES`
+//! `IDEM_BENCH_SECONDS` (default 3): the length of each measurement. `IDEM_BENCH_ROUNDS`
+//! (default 3): each round runs every mode once, in turn, and the summary lines give the median
+//! of the rounds' ratios (the disk behind PostgreSQL, for one, varies a lot from one second to
+//! the next on a shared machine). `IDEM_BENCH_STORES`
 //! (default all): a comma-separated choice of `redis`, `redis-cluster`, `postgres`.
 
 use std::sync::Arc;
@@ -32,6 +41,7 @@ use idem::{
     AcquireOutcome, AcquireRequest, Bytes, Completion, DynStore, Fingerprint, IdempotencyStore,
     Namespace,
 };
+use redis::aio::MultiplexedConnection;
 
 /// Concurrent tasks (`IDEM_BENCH_TASKS`, default 64).
 fn tasks() -> usize {
@@ -74,8 +84,8 @@ impl Ids {
     }
 }
 
-/// Messages per second of [`tasks`] tasks, each looping single acquires and completions.
-async fn unbatched(store: &DynStore, ns: &Namespace) -> f64 {
+/// [`tasks`] tasks, each looping single acquires and completions.
+async fn unbatched(store: &DynStore, ns: &Namespace) -> Measured {
     let done = Arc::new(AtomicU64::new(0));
     let until = Instant::now() + seconds();
     let start = Instant::now();
@@ -105,12 +115,12 @@ async fn unbatched(store: &DynStore, ns: &Namespace) -> f64 {
     for t in tasks {
         t.await.expect("task");
     }
-    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+    Measured::of(&done, start)
 }
 
-/// Messages per second of [`tasks`] tasks, each looping `acquire_many` and `complete_many` of
+/// [`tasks`] tasks, each looping `acquire_many` and `complete_many` of
 /// `BATCH` keys.
-async fn batched(store: &DynStore, ns: &Namespace, ids: Ids) -> f64 {
+async fn batched(store: &DynStore, ns: &Namespace, ids: Ids) -> Measured {
     let done = Arc::new(AtomicU64::new(0));
     let until = Instant::now() + seconds();
     let start = Instant::now();
@@ -150,54 +160,248 @@ async fn batched(store: &DynStore, ns: &Namespace, ids: Ids) -> f64 {
     for t in tasks {
         t.await.expect("task");
     }
-    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+    Measured::of(&done, start)
 }
 
-fn row(store: &str, mode: &str, rate: f64, base: f64) {
+/// The raw baseline on the standalone server, with no store: [`tasks`] tasks, each looping one
+/// pipeline of `BATCH` `SET key 1 NX PX 30000` and one of `SET key done EX 600` for the keys it
+/// got; and the server's CPU time per message (µs) it cost. Deletes its keys at the end (not
+/// counted).
+async fn pipelined(conn: &MultiplexedConnection, prefix: &str) -> (Measured, Option<f64>) {
+    let mut cpu_conn = conn.clone();
+    let cpu_before = server_cpu(&mut cpu_conn).await;
+    let done = Arc::new(AtomicU64::new(0));
+    let until = Instant::now() + seconds();
+    let start = Instant::now();
+    let raw = Arc::new(format!("{prefix}raw:"));
+    let key = move |task: usize, n: u64, i: usize| format!("{raw}t{task}-{n}-{i}");
+    let tasks: Vec<_> = (0..tasks())
+        .map(|task| {
+            let (mut conn, done, key) = (conn.clone(), done.clone(), key.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while Instant::now() < until {
+                    n += 1;
+                    let mut claim = redis::pipe();
+                    for i in 0..BATCH {
+                        claim
+                            .cmd("SET")
+                            .arg(key(task, n, i))
+                            .arg("1")
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(30_000);
+                    }
+                    let claimed: Vec<Option<String>> =
+                        claim.query_async(&mut conn).await.expect("SET NX");
+                    let mut finish = redis::pipe();
+                    for (i, claimed) in claimed.iter().enumerate() {
+                        assert!(claimed.is_some(), "a fresh key must be claimed");
+                        finish
+                            .cmd("SET")
+                            .arg(key(task, n, i))
+                            .arg("done")
+                            .arg("EX")
+                            .arg(RETENTION.as_secs())
+                            .ignore();
+                    }
+                    let () = finish.query_async(&mut conn).await.expect("SET");
+                    done.fetch_add(BATCH as u64, Ordering::Relaxed);
+                }
+                n
+            })
+        })
+        .collect();
+    let mut batches = Vec::new();
+    for t in tasks {
+        batches.push(t.await.expect("task"));
+    }
+    let measured = Measured::of(&done, start);
+    let cpu = per_message(cpu_before, server_cpu(&mut cpu_conn).await, &measured);
+    let mut conn = conn.clone();
+    for (task, n) in batches.into_iter().enumerate() {
+        for n in 1..=n {
+            let keys: Vec<String> = (0..BATCH).map(|i| key(task, n, i)).collect();
+            let _: Result<(), _> = redis::cmd("UNLINK").arg(keys).query_async(&mut conn).await;
+        }
+    }
+    (measured, cpu)
+}
+
+/// What one measurement did: messages, and how long it took.
+struct Measured {
+    messages: u64,
+    elapsed: Duration,
+}
+
+impl Measured {
+    fn of(done: &AtomicU64, start: Instant) -> Self {
+        Self {
+            messages: done.load(Ordering::Relaxed),
+            elapsed: start.elapsed(),
+        }
+    }
+
+    fn rate(&self) -> f64 {
+        self.messages as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// The standalone server's CPU time so far, in seconds (`INFO cpu`: `used_cpu_sys` +
+/// `used_cpu_user`); `None` when it cannot be read.
+async fn server_cpu(conn: &mut MultiplexedConnection) -> Option<f64> {
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(conn).await.ok()?;
+    let field = |name: &str| -> Option<f64> {
+        info.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))?
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some(field("used_cpu_sys")? + field("used_cpu_user")?)
+}
+
+/// Runs `work`, and with `cpu` the server's CPU time per message (µs) it cost.
+async fn with_cpu(
+    cpu: Option<&MultiplexedConnection>,
+    work: impl Future<Output = Measured>,
+) -> (Measured, Option<f64>) {
+    let mut conn = cpu.cloned();
+    let before = match conn.as_mut() {
+        Some(c) => server_cpu(c).await,
+        None => None,
+    };
+    let measured = work.await;
+    let after = match conn.as_mut() {
+        Some(c) => server_cpu(c).await,
+        None => None,
+    };
+    let cpu = per_message(before, after, &measured);
+    (measured, cpu)
+}
+
+/// The server's CPU time per message (µs) between two readings.
+fn per_message(before: Option<f64>, after: Option<f64>, measured: &Measured) -> Option<f64> {
+    match (before, after) {
+        (Some(b), Some(a)) if measured.messages > 0 => {
+            Some((a - b) * 1e6 / measured.messages as f64)
+        }
+        _ => None,
+    }
+}
+
+fn row(
+    store: &str,
+    round: usize,
+    mode: &str,
+    (measured, cpu): &(Measured, Option<f64>),
+    base: f64,
+) {
+    let rate = measured.rate();
+    let cpu = cpu.map_or_else(|| "-".to_owned(), |us| format!("{us:.1}"));
     println!(
-        "| {store:<14} | {mode:<44} | {rate:>12.0} | {:>6.1}x |",
+        "| {store:<14} | {round:>5} | {mode:<52} | {rate:>12.0} | {:>6.1}x | {cpu:>10} |",
         rate / base
     );
 }
 
-/// Measures `store`; returns the namespace it wrote in.
-async fn measure(name: &str, store: DynStore, tagged_too: bool) -> Namespace {
-    let ns = Namespace::new(format!("bench-{:08x}", rand_u32())).expect("namespace");
-    let single = unbatched(&store, &ns).await;
-    row(
-        name,
-        "unbatched: acquire + complete, 64 tasks",
-        single,
-        single,
-    );
-    let spread = batched(&store, &ns, Ids::Spread).await;
-    row(
-        name,
-        "batches of 100: acquire_many + complete_many",
-        spread,
-        single,
-    );
-    if tagged_too {
-        let tagged = batched(&store, &ns, Ids::Tagged).await;
+/// Rounds per store (`IDEM_BENCH_ROUNDS`, default 3): each runs every mode once, one after the
+/// other, so that a slow spell of the machine (a disk's flush, another process) weighs on
+/// every mode alike, and the summary takes the median of the rounds' ratios.
+fn rounds() -> usize {
+    std::env::var("IDEM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(3)
+}
+
+/// The median of `ratios` (not empty), and all of them as text.
+fn median(mut ratios: Vec<f64>) -> (f64, String) {
+    let all = ratios
+        .iter()
+        .map(|r| format!("{r:.2}x"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    ratios.sort_by(f64::total_cmp);
+    (ratios[ratios.len() / 2], all)
+}
+
+/// Measures `store` over [`rounds`] rounds (with `cpu`, a connection to its server, also the
+/// server's CPU time per message and the raw pipelined baseline), prints a row per mode and
+/// round and the median ratios; returns the namespaces it wrote in (one per round: every key
+/// of a round is fresh).
+async fn measure(
+    name: &str,
+    store: DynStore,
+    tagged_too: bool,
+    cpu: Option<(&MultiplexedConnection, &str)>,
+) -> Vec<Namespace> {
+    let conn = cpu.map(|(c, _)| c);
+    let (mut namespaces, mut batched_ratios, mut raw_ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 1..=rounds() {
+        let ns = Namespace::new(format!("bench-{:08x}", rand_u32())).expect("namespace");
+        namespaces.push(ns.clone());
+        let single = with_cpu(conn, unbatched(&store, &ns)).await;
+        let base = single.0.rate();
         row(
             name,
-            "batches of 100, one hash tag per batch",
-            tagged,
-            single,
+            round,
+            "unbatched: acquire + complete, 64 tasks",
+            &single,
+            base,
         );
+        let spread = with_cpu(conn, batched(&store, &ns, Ids::Spread)).await;
+        row(
+            name,
+            round,
+            "batches of 100: acquire_many + complete_many",
+            &spread,
+            base,
+        );
+        batched_ratios.push(spread.0.rate() / base);
+        if tagged_too {
+            let tagged = with_cpu(conn, batched(&store, &ns, Ids::Tagged)).await;
+            row(
+                name,
+                round,
+                "batches of 100, one hash tag per batch",
+                &tagged,
+                base,
+            );
+        }
+        if let Some((conn, prefix)) = cpu {
+            let raw = pipelined(conn, prefix).await;
+            row(
+                name,
+                round,
+                "raw, no store: pipelines of 100 SET NX, then SET",
+                &raw,
+                base,
+            );
+            raw_ratios.push(spread.0.rate() / raw.0.rate());
+        }
     }
-    ns
+    let (m, all) = median(batched_ratios);
+    println!("{name}: batches / unbatched, median of the rounds: {m:.2}x ({all})");
+    if !raw_ratios.is_empty() {
+        let (m, all) = median(raw_ratios);
+        println!("{name}: batches / raw pipelines, median of the rounds: {m:.2}x ({all})");
+    }
+    namespaces
 }
 
 /// Removes what the bench wrote in a Redis store (a listing on the same server, such as the
 /// conformance suite's, would otherwise scan it until it expires).
-async fn clean(name: &str, store: &RedisStore, ns: &Namespace) {
-    match store.drop_namespace(ns).await {
-        Ok(n) => println!("{name}: removed the bench's {n} records"),
-        Err(e) => println!(
-            "{name}: could not remove the bench's records ({e}); they expire after {}s",
-            RETENTION.as_secs()
-        ),
+async fn clean(name: &str, store: &RedisStore, namespaces: &[Namespace]) {
+    for ns in namespaces {
+        match store.drop_namespace(ns).await {
+            Ok(n) => println!("{name}: removed the bench's {n} records of {ns}"),
+            Err(e) => println!(
+                "{name}: could not remove the bench's records of {ns} ({e}); they expire after {}s",
+                RETENTION.as_secs()
+            ),
+        }
     }
 }
 
@@ -219,15 +423,19 @@ fn main() {
         .expect("runtime");
     runtime.block_on(async {
         println!(
-            "store-level messages/s, {} tasks, fresh keys, {:?} per measurement",
+            "store-level messages/s, {} tasks, fresh keys, {:?} per measurement, {} rounds",
             tasks(),
-            seconds()
+            seconds(),
+            rounds()
         );
         println!(
-            "| {:<14} | {:<44} | {:>12} | {:>7} |",
-            "store", "mode", "messages/s", "vs 1x1"
+            "| {:<14} | {:>5} | {:<52} | {:>12} | {:>7} | {:>10} |",
+            "store", "round", "mode", "messages/s", "vs 1x1", "server µs/msg"
         );
-        println!("|{:-<16}|{:-<46}|{:-<14}|{:-<9}|", "", "", "", "");
+        println!(
+            "|{:-<16}|{:-<7}|{:-<54}|{:-<14}|{:-<9}|{:-<12}|",
+            "", "", "", "", "", ""
+        );
 
         let only = std::env::var("IDEM_BENCH_STORES").ok();
         let wanted = |name: &str| {
@@ -240,8 +448,13 @@ fn main() {
             match RedisStore::connect_with(&url, RedisConfig::default().with_prefix(&prefix)).await
             {
                 Ok(store) => {
-                    let ns = measure("redis", Arc::new(store.clone()), false).await;
-                    clean("redis", &store, &ns).await;
+                    let conn = match redis::Client::open(url.as_str()) {
+                        Ok(client) => client.get_multiplexed_async_connection().await.ok(),
+                        Err(_) => None,
+                    };
+                    let cpu = conn.as_ref().map(|c| (c, prefix.as_str()));
+                    let namespaces = measure("redis", Arc::new(store.clone()), false, cpu).await;
+                    clean("redis", &store, &namespaces).await;
                 }
                 Err(e) => println!("| redis          | skipped: {e}"),
             }
@@ -257,8 +470,9 @@ fn main() {
             let config = RedisConfig::default().with_prefix(&prefix);
             match RedisStore::connect_cluster_with(&nodes, config).await {
                 Ok(store) => {
-                    let ns = measure("redis-cluster", Arc::new(store.clone()), true).await;
-                    clean("redis-cluster", &store, &ns).await;
+                    let namespaces =
+                        measure("redis-cluster", Arc::new(store.clone()), true, None).await;
+                    clean("redis-cluster", &store, &namespaces).await;
                 }
                 Err(e) => println!("| redis-cluster  | skipped: {e}"),
             }
@@ -271,7 +485,7 @@ fn main() {
         if wanted("postgres") {
             match postgres(&pg_url, &schema).await {
                 Ok(store) => {
-                    let _ = measure("postgres", Arc::new(store.clone()), false).await;
+                    let _ = measure("postgres", Arc::new(store.clone()), false, None).await;
                     drop_schema(&store, &schema).await;
                 }
                 Err(e) => println!("| postgres       | skipped: {e}"),

@@ -3,31 +3,45 @@
 -- wrapped as `local function one(ARGV) <body> end`, then this loop. So a batch runs exactly the
 -- single-key logic, once per item, in order, each item seeing what the items before it wrote.
 --
--- ARGV[1] is how many arguments each item has (n). With declared keys (one server, or one hash
--- slot of a cluster), KEYS[i] is item i's record and its arguments are ARGV[2 + (i - 1) * n] ..
--- ARGV[1 + i * n], in the single script's order. Without (a cluster primary's items of many
--- slots: the script's `allow-cross-slot-keys` flag lets it reach any key that primary serves),
--- each item's record key comes first, then its n arguments: n + 1 values per item.
+-- ARGV[1] is how many arguments each item has (n) and ARGV[2] which of them all items share: n
+-- characters, '1' for an argument sent once for the whole call (the values of those follow, in
+-- order), '0' for one each item sends. Then the items: with declared keys (one server, or one
+-- hash slot of a cluster), KEYS[i] is item i's record and its own arguments follow in order;
+-- without (a cluster primary's items of many slots: the script's `allow-cross-slot-keys` flag
+-- lets it reach any key that primary serves), each item's record key comes first, then its own
+-- arguments. The body sees all n arguments in the single script's order.
 -- Replies one element per item: the single script's own reply, or {-1, message} when that
 -- item's script raised an error (a corrupt record: `IDEMCORRUPT <reason>`; on a cluster, a key
 -- this node does not serve, refused at the item's first read, before any write), which fails
 -- that item only.
 local per = tonumber(ARGV[1])
+local shared = ARGV[2]
+-- One table of arguments for every item: the shared ones set once, the others per item.
+local args, own = {}, {}
+local at = 3
+for j = 1, per do
+  if sub(shared, j, j) == '1' then
+    args[j] = ARGV[at]
+    at = at + 1
+  else
+    own[#own + 1] = j
+  end
+end
 local inline = #KEYS == 0
-local width = inline and per + 1 or per
-local count = inline and (#ARGV - 1) / width or #KEYS
-local out = {}
+local width = inline and #own + 1 or #own
+local count = inline and (#ARGV - at + 1) / width or #KEYS
+local out, keys = {}, {}
 for i = 1, count do
-  local at = 1 + (i - 1) * width
   if inline then
-    key = ARGV[at + 1]
+    key = ARGV[at]
     at = at + 1
   else
     key = KEYS[i]
   end
-  local args = {}
-  for j = 1, per do
-    args[j] = ARGV[at + j]
+  keys[i] = key
+  for _, j in ipairs(own) do
+    args[j] = ARGV[at]
+    at = at + 1
   end
   local ok, reply = pcall(one, args)
   if ok then
@@ -36,6 +50,13 @@ for i = 1, count do
     out[i] = {-1, reply.err}
   else
     out[i] = {-1, tostring(reply)}
+  end
+end
+flush()
+for i = 1, count do
+  local err = failed_writes[keys[i]]
+  if err ~= nil then
+    out[i] = {-1, err}
   end
 end
 return out

@@ -39,9 +39,26 @@ read_value = function()
   return v
 end
 
+-- Writes: each item's write takes effect at once, except in an acquire batch with declared keys,
+-- whose writes (none of them with an expiry) wait for the end of the call (`flush`): one
+-- `MSETNX` for the keys the batch found absent and one `MSET` for the others, in place of a
+-- `SET` per item. The result is the same: the value a key ends with is its last item's, and a
+-- key holding another type is not overwritten (should an `MSETNX` find any key present, its keys
+-- go again one `SET NX` each, and a key refused there fails its items as corrupt).
+local DEFER = CREATE_ABSENT and #KEYS > 0
+local created, updated, deferred = {}, {}, {}
 local write_one = write_value
 write_value = function(v, expire_at, absent)
-  if absent and CREATE_ABSENT then
+  if DEFER and expire_at == nil then
+    if not deferred[key] then
+      deferred[key] = true
+      if absent then
+        created[#created + 1] = key
+      else
+        updated[#updated + 1] = key
+      end
+    end
+  elseif absent and CREATE_ABSENT then
     if not redis.call('SET', key, v, 'NX') then
       corrupt('the key holds no idem record (not a string)')
     end
@@ -49,4 +66,40 @@ write_value = function(v, expire_at, absent)
     write_one(v, expire_at)
   end
   written[key] = v
+end
+
+-- The keys whose deferred write failed, each with the error its items answer.
+local failed_writes = {}
+
+-- `command` (MSET or MSETNX) over `keys`, 500 at a time; MSETNX's refused groups go again a
+-- `SET NX` per key.
+local function write_all(command, keys)
+  for first = 1, #keys, 500 do
+    local kv = {}
+    for i = first, math.min(first + 499, #keys) do
+      kv[#kv + 1] = keys[i]
+      kv[#kv + 1] = written[keys[i]]
+    end
+    local reply = redis.pcall(command, unpack(kv))
+    if type(reply) == 'table' and reply.err ~= nil then
+      for i = 1, #kv, 2 do
+        failed_writes[kv[i]] = reply.err
+      end
+    elseif command == 'MSETNX' and reply == 0 then
+      for i = 1, #kv, 2 do
+        local one_reply = redis.pcall('SET', kv[i], kv[i + 1], 'NX')
+        if type(one_reply) == 'table' and one_reply.err ~= nil then
+          failed_writes[kv[i]] = one_reply.err
+        elseif not one_reply then
+          failed_writes[kv[i]] = 'IDEMCORRUPT the key holds no idem record (not a string)'
+        end
+      end
+    end
+  end
+end
+
+-- Makes the deferred writes (nothing when there are none).
+local function flush()
+  write_all('MSETNX', created)
+  write_all('MSET', updated)
 end
