@@ -22,6 +22,9 @@
 //!
 //! Each figure is records per second from the first record received to the last one processed
 //! (the group join excluded). Prints the four, and the ratio runner / hand-written.
+//! `IDEM_BENCH_MAX_BATCH` sets the runner's [`max_batch`](RunnerOptions::max_batch) and both
+//! stores' [`Limits::max_batch`](idem_core::Limits::max_batch) (default: the runner's default,
+//! 100).
 //! Endpoints as in the tests (`IDEM_KAFKA_BROKERS`, `IDEM_REDIS_URL`); without them it prints one
 //! "skipped" line (with `CI=true`: fails).
 #![allow(missing_docs)]
@@ -30,11 +33,13 @@
 mod common;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use idem_executor::{ExecutorConfig, HandlerContext, HandlerError};
 use idem_kafka::{KafkaMessage, KafkaRunner, RunnerOptions};
+use idem_redis::{RedisConfig, RedisStore};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 
@@ -163,10 +168,23 @@ async fn hand_written(topic: &str, records: usize) -> f64 {
 
 /// Records per second of the runner with Redis (`memory`: with a `MemoryStore`).
 async fn runner(topic: &str, records: usize, partitions: usize, memory: bool) -> f64 {
+    let max_batch = env_or("IDEM_BENCH_MAX_BATCH", RunnerOptions::default().max_batch);
+    let limits = idem_core::Limits::default().with_max_batch(max_batch);
     let store = if memory {
-        shared(idem_core::MemoryStore::new())
+        shared(idem_core::MemoryStore::with_options(
+            Arc::new(idem_core::SystemClock),
+            limits,
+        ))
     } else {
-        shared(redis_store(&format!("{}:", unique("idem-kafka-compare"))).await)
+        let prefix = format!("{}:", unique("idem-kafka-compare"));
+        let config = RedisConfig::default()
+            .with_prefix(prefix)
+            .with_limits(limits);
+        shared(
+            RedisStore::connect_with(&redis_url(), config)
+                .await
+                .expect("Redis store"),
+        )
     };
     let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
     let runner = KafkaRunner::builder(
@@ -178,7 +196,11 @@ async fn runner(topic: &str, records: usize, partitions: usize, memory: bool) ->
         handler,
     )
     .topic(topic)
-    .options(RunnerOptions::default().with_max_in_flight(partitions))
+    .options(
+        RunnerOptions::default()
+            .with_max_in_flight(partitions)
+            .with_max_batch(max_batch),
+    )
     .build()
     .expect("runner");
     let stats = runner.stats();
