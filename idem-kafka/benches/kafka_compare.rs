@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use idem_executor::{ExecutorConfig, HandlerContext, HandlerError};
 use idem_kafka::{KafkaMessage, KafkaRunner, RunnerOptions};
-use idem_redis::{RedisConfig, RedisStore};
+use idem_redis::RedisConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 
@@ -177,13 +177,13 @@ async fn runner(topic: &str, records: usize, partitions: usize, memory: bool) ->
         ))
     } else {
         let prefix = format!("{}:", unique("idem-kafka-compare"));
-        let config = RedisConfig::default()
-            .with_prefix(prefix)
-            .with_limits(limits);
         shared(
-            RedisStore::connect_with(&redis_url(), config)
-                .await
-                .expect("Redis store"),
+            redis_store_with(
+                RedisConfig::default()
+                    .with_prefix(prefix)
+                    .with_limits(limits),
+            )
+            .await,
         )
     };
     let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };

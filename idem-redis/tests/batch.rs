@@ -199,6 +199,16 @@ async fn cluster_batch_is_one_request_per_primary() {
     one_call_per_group(&store, spread, expected).await;
 }
 
+/// Runs `check` on the standalone server, then on the cluster (each when its suite runs).
+async fn on_both(check: impl AsyncFn(&RedisStore)) {
+    if let Some(store) = common::standalone().await {
+        check(&store).await;
+    }
+    if let Some(store) = common::cluster().await {
+        check(&store).await;
+    }
+}
+
 /// The same key twice in one batch: the items run in order, as single calls would.
 async fn same_key_twice(store: &RedisStore) {
     let ns = Namespace::new("twice").unwrap();
@@ -239,12 +249,7 @@ async fn same_key_twice(store: &RedisStore) {
 
 #[tokio::test]
 async fn same_key_twice_runs_in_order() {
-    if let Some(store) = common::standalone().await {
-        same_key_twice(&store).await;
-    }
-    if let Some(store) = common::cluster().await {
-        same_key_twice(&store).await;
-    }
+    on_both(same_key_twice).await;
 }
 
 /// A value that is not a record fails its own item (`CorruptRecord`); the other items of the
@@ -340,22 +345,12 @@ async fn own_arguments(store: &RedisStore) {
 
 #[tokio::test]
 async fn items_keep_their_own_arguments() {
-    if let Some(store) = common::standalone().await {
-        own_arguments(&store).await;
-    }
-    if let Some(store) = common::cluster().await {
-        own_arguments(&store).await;
-    }
+    on_both(own_arguments).await;
 }
 
 #[tokio::test]
 async fn a_corrupt_record_fails_only_its_item() {
-    if let Some(store) = common::standalone().await {
-        corrupt_item(&store).await;
-    }
-    if let Some(store) = common::cluster().await {
-        corrupt_item(&store).await;
-    }
+    on_both(corrupt_item).await;
 }
 
 #[tokio::test]

@@ -321,8 +321,13 @@ pub fn consumer_config(group: &str) -> ClientConfig {
 
 /// A Redis store under a fresh prefix (the test checked that Redis answers).
 pub async fn redis_store(prefix: &str) -> RedisStore {
+    redis_store_with(RedisConfig::default().with_prefix(prefix)).await
+}
+
+/// A Redis store with `config` (the test checked that Redis answers).
+pub async fn redis_store_with(config: RedisConfig) -> RedisStore {
     let url = redis_url();
-    RedisStore::connect_with(&url, RedisConfig::default().with_prefix(prefix))
+    RedisStore::connect_with(&url, config)
         .await
         .unwrap_or_else(|e| {
             panic!(

@@ -53,10 +53,12 @@ for i = 1, count do
   end
 end
 flush()
-for i = 1, count do
-  local err = failed_writes[keys[i]]
-  if err ~= nil then
-    out[i] = {-1, err}
+if next(failed_writes) ~= nil then
+  for i = 1, count do
+    local err = failed_writes[keys[i]]
+    if err ~= nil then
+      out[i] = {-1, err}
+    end
   end
 end
 return out

@@ -46,6 +46,8 @@ end
 -- key holding another type is not overwritten (should an `MSETNX` find any key present, its keys
 -- go again one `SET NX` each, and a key refused there fails its items as corrupt).
 local DEFER = CREATE_ABSENT and #KEYS > 0
+-- Why a key of another type is refused where an acquire would create a record.
+local NOT_A_STRING = 'the key holds no idem record (not a string)'
 local created, updated, deferred = {}, {}, {}
 local write_one = write_value
 write_value = function(v, expire_at, absent)
@@ -60,7 +62,7 @@ write_value = function(v, expire_at, absent)
     end
   elseif absent and CREATE_ABSENT then
     if not redis.call('SET', key, v, 'NX') then
-      corrupt('the key holds no idem record (not a string)')
+      corrupt(NOT_A_STRING)
     end
   else
     write_one(v, expire_at)
@@ -91,7 +93,7 @@ local function write_all(command, keys)
         if type(one_reply) == 'table' and one_reply.err ~= nil then
           failed_writes[kv[i]] = one_reply.err
         elseif not one_reply then
-          failed_writes[kv[i]] = 'IDEMCORRUPT the key holds no idem record (not a string)'
+          failed_writes[kv[i]] = 'IDEMCORRUPT ' .. NOT_A_STRING
         end
       end
     end
