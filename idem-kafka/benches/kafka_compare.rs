@@ -16,7 +16,8 @@
 //!    the cheapest dedupe there is, with none of the runner's guarantees (no fencing, no
 //!    heartbeats, no replayed results, no dead letters);
 //! 3. **runner**: `KafkaRunner` with a `RedisStore`, default options (`max_in_flight` set to the
-//!    partition count) and a no-op handler;
+//!    partition count times [`max_batches_per_partition`](RunnerOptions::max_batches_per_partition),
+//!    so that every partition can have all its batches in process) and a no-op handler;
 //! 4. **runner, memory**: the same runner with a `MemoryStore` (no server round trip): the
 //!    runner's own ceiling on this broker, for telling its cost apart from the store's.
 //!
@@ -24,7 +25,9 @@
 //! (the group join excluded). Prints the four, and the ratio runner / hand-written.
 //! `IDEM_BENCH_MAX_BATCH` sets the runner's [`max_batch`](RunnerOptions::max_batch) and both
 //! stores' [`Limits::max_batch`](idem_core::Limits::max_batch) (default: the runner's default,
-//! 100).
+//! 100); `IDEM_BENCH_BATCHES_PER_PARTITION` sets
+//! [`max_batches_per_partition`](RunnerOptions::max_batches_per_partition) (default: the runner's
+//! default, 2).
 //! Endpoints as in the tests (`IDEM_KAFKA_BROKERS`, `IDEM_REDIS_URL`); without them it prints one
 //! "skipped" line (with `CI=true`: fails).
 #![allow(missing_docs)]
@@ -169,6 +172,10 @@ async fn hand_written(topic: &str, records: usize) -> f64 {
 /// Records per second of the runner with Redis (`memory`: with a `MemoryStore`).
 async fn runner(topic: &str, records: usize, partitions: usize, memory: bool) -> f64 {
     let max_batch = env_or("IDEM_BENCH_MAX_BATCH", RunnerOptions::default().max_batch);
+    let per_partition = env_or(
+        "IDEM_BENCH_BATCHES_PER_PARTITION",
+        RunnerOptions::default().max_batches_per_partition,
+    );
     let limits = idem_core::Limits::default().with_max_batch(max_batch);
     let store = if memory {
         shared(idem_core::MemoryStore::with_options(
@@ -198,8 +205,9 @@ async fn runner(topic: &str, records: usize, partitions: usize, memory: bool) ->
     .topic(topic)
     .options(
         RunnerOptions::default()
-            .with_max_in_flight(partitions)
-            .with_max_batch(max_batch),
+            .with_max_in_flight(partitions * per_partition)
+            .with_max_batch(max_batch)
+            .with_max_batches_per_partition(per_partition),
     )
     .build()
     .expect("runner");

@@ -24,7 +24,7 @@ use crate::error::RunnerError;
 #[non_exhaustive]
 pub struct RunnerOptions {
     /// Executor batches processed at once across all partitions (default 16). Within a partition
-    /// batches are processed one at a time, in offset order.
+    /// at most [`max_batches_per_partition`](Self::max_batches_per_partition) at once.
     pub max_in_flight: usize,
     /// Most records of one partition handed to the executor in one batch (default 100, and at
     /// most the store's [`max_batch`](idem_core::Limits::max_batch)): the records waiting when
@@ -34,6 +34,17 @@ pub struct RunnerOptions {
     /// other, in offset order); they are resolved and committed in offset order. `1` processes
     /// a partition's records strictly one at a time.
     pub max_batch: usize,
+    /// Batches of one partition in process at once (default 2). While a batch is in process
+    /// (its acquire call, its handlers, its completions), the next one's records are already
+    /// acquired and run, so the store's round trips overlap the runner's own work instead of
+    /// waiting for it. A batch starts only with records whose keys none of the partition's
+    /// batches in process holds (the first record with such a key waits, and the batch ends
+    /// before it), so records of one key still run one after the other in offset order; records
+    /// are still resolved and committed in offset order. Each batch holds one of the
+    /// [`max_in_flight`](Self::max_in_flight) slots, and a batch after the first starts only on
+    /// a free slot (it never waits for one). `1` processes a partition's batches one at a time;
+    /// so does a [`max_batch`](Self::max_batch) of 1 (one record at a time), whatever this is.
+    pub max_batches_per_partition: usize,
     /// Records of a partition held by the runner, waiting or in process (default 100,000, as
     /// librdkafka's own prefetch bound `queued.min.messages`). A partition whose buffer is full
     /// is paused until it drains to half.
@@ -88,6 +99,7 @@ impl Default for RunnerOptions {
         Self {
             max_in_flight: 16,
             max_batch: 100,
+            max_batches_per_partition: 2,
             max_buffered_per_partition: 100_000,
             commit_interval: Duration::from_secs(1),
             min_retry_delay: Duration::from_millis(5),
@@ -112,6 +124,12 @@ impl RunnerOptions {
     /// Sets [`max_batch`](Self::max_batch).
     pub fn with_max_batch(mut self, n: usize) -> Self {
         self.max_batch = n;
+        self
+    }
+
+    /// Sets [`max_batches_per_partition`](Self::max_batches_per_partition).
+    pub fn with_max_batches_per_partition(mut self, n: usize) -> Self {
+        self.max_batches_per_partition = n;
         self
     }
 
@@ -182,6 +200,12 @@ impl RunnerOptions {
         if self.max_batch == 0 {
             return Err(RunnerError::config("max_batch", "must be at least 1"));
         }
+        if self.max_batches_per_partition == 0 {
+            return Err(RunnerError::config(
+                "max_batches_per_partition",
+                "must be at least 1",
+            ));
+        }
         if self.max_buffered_per_partition == 0 {
             return Err(RunnerError::config(
                 "max_buffered_per_partition",
@@ -236,6 +260,19 @@ mod tests {
                 r,
                 Err(RunnerError::Config {
                     field: "max_in_flight",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        let r = RunnerOptions::default()
+            .with_max_batches_per_partition(0)
+            .validate();
+        assert!(
+            matches!(
+                r,
+                Err(RunnerError::Config {
+                    field: "max_batches_per_partition",
                     ..
                 })
             ),

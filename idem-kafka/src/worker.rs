@@ -1,16 +1,21 @@
 //! One partition's worker: takes its records in offset order, in batches, and resolves them in
 //! order.
 
+use std::collections::{HashSet, VecDeque};
+use std::future::Future;
 use std::marker::PhantomData;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use futures::future::MaybeDone;
 
 use idem_executor::{BrokerAction, Codec, Handler, Outcome, Plain, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -87,46 +92,193 @@ where
     R: Recorder,
 {
     pub(crate) async fn run(mut self) {
-        let max_batch = self
-            .common
-            .options
+        let options = &self.common.options;
+        let max_batch = options
             .max_batch
             .min(self.common.execution.max_batch())
             .max(1);
-        let mut batch = Vec::with_capacity(max_batch);
+        // Batches of one record are the strict mode (one record at a time): they never overlap.
+        let depth = if max_batch == 1 {
+            1
+        } else {
+            options.max_batches_per_partition.max(1)
+        };
+        let mut queue = Queue {
+            records: std::mem::replace(&mut self.records, mpsc::unbounded_channel().1),
+            open: true,
+            carry: None,
+            max_batch,
+            depth,
+        };
+        // The batches started after the one in process, in offset order; their first tries go on
+        // while it is processed (resolved in order, tried again where needed).
+        let mut later = VecDeque::with_capacity(depth);
         loop {
-            let msg = tokio::select! {
-                biased;
-                () = self.revoke.cancelled() => return,
-                () = self.common.drain.cancelled() => return,
-                msg = self.records.recv() => match msg {
-                    Some(msg) => msg,
-                    None => return,
-                },
-            };
-            batch.clear();
-            batch.push(msg);
-            // Whatever else waits, up to a batch.
-            while batch.len() < max_batch {
-                match self.records.try_recv() {
-                    Ok(msg) => batch.push(msg),
-                    Err(_) => break,
-                }
-            }
-            let span = tracing::debug_span!(
-                "idem_kafka_batch",
-                topic = batch[0].topic(),
-                partition = batch[0].partition(),
-                offset = batch[0].offset(),
-                records = batch.len()
-            );
-            match self.process(&batch).instrument(span).await {
-                Next::Continue => {}
-                Next::Stop => return,
-                Next::Abandoned => {
-                    RunnerStats::bump(&self.common.stats.abandoned);
+            if later.is_empty() {
+                if self.revoke.is_cancelled() || self.common.drain.is_cancelled() {
                     return;
                 }
+                let first = match queue.carry.take() {
+                    Some(msg) => msg,
+                    None => tokio::select! {
+                        biased;
+                        () = self.revoke.cancelled() => return,
+                        () = self.common.drain.cancelled() => return,
+                        msg = queue.records.recv() => match msg {
+                            Some(msg) => msg,
+                            None => return,
+                        },
+                    },
+                };
+                let (batch, keys) =
+                    queue.gather(|msg| self.common.execution.key_id(msg), first, &[]);
+                later.push_back(self.start(batch, keys, None));
+            }
+            let Some(mut head) = later.pop_front() else {
+                continue;
+            };
+            let head_keys = std::mem::take(&mut head.keys);
+            // Batches start on the records already waiting, then on those that arrive while
+            // this one is processed.
+            while later.len() + 1 < depth
+                && !self.revoke.is_cancelled()
+                && !self.common.drain.is_cancelled()
+            {
+                let Some(first) = queue.next_waiting() else {
+                    break;
+                };
+                let Some((batch, keys, permit)) = self.later(&mut queue, first, &head_keys, &later)
+                else {
+                    break;
+                };
+                later.push_back(self.start(batch, keys, Some(permit)));
+            }
+            let mut processed = std::pin::pin!(async {
+                (&mut head.first).await;
+                let Some((batch, Some(steps))) = head.first.as_mut().take_output() else {
+                    return Next::Abandoned;
+                };
+                let span = tracing::debug_span!(
+                    "idem_kafka_batch",
+                    topic = batch[0].topic(),
+                    partition = batch[0].partition(),
+                    offset = batch[0].offset(),
+                    records = batch.len()
+                );
+                self.process(&batch, steps).instrument(span).await
+            });
+            let mut later_done = later.is_empty();
+            let next = loop {
+                let room = queue.open
+                    && queue.carry.is_none()
+                    && later.len() + 1 < depth
+                    && !self.revoke.is_cancelled()
+                    && !self.common.drain.is_cancelled();
+                let event = tokio::select! {
+                    biased;
+                    next = &mut processed => Event::Processed(next),
+                    () = all_done(&mut later), if !later_done => Event::LaterDone,
+                    msg = queue.records.recv(), if room => Event::Record(msg),
+                };
+                match event {
+                    Event::Processed(next) => break next,
+                    Event::LaterDone => later_done = true,
+                    Event::Record(None) => queue.open = false,
+                    Event::Record(Some(first)) => {
+                        if let Some((batch, keys, permit)) =
+                            self.later(&mut queue, first, &head_keys, &later)
+                        {
+                            later.push_back(self.start(batch, keys, Some(permit)));
+                            later_done = false;
+                        }
+                    }
+                }
+            };
+            match next {
+                // A revocation after the batch was resolved: the batches started after it are
+                // processed as they stand (their records resolved in order up to the first that
+                // is not), and nothing else starts.
+                Next::Continue | Next::Stop => {}
+                Next::Abandoned => {
+                    RunnerStats::bump(&self.common.stats.abandoned);
+                    // The batches after an unresolved record are not resolved either: their
+                    // tries end (they see the revocation), their released leases are counted.
+                    for mut batch in later {
+                        (&mut batch.first).await;
+                        if let Some((_, Some(steps))) = batch.first.as_mut().take_output() {
+                            self.count_released(&steps);
+                        }
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A batch to start after the one in process (whose keys are `head`) and the `later` ones:
+    /// `first` and the records waiting after it, their keys, and a free slot. `None` when the key
+    /// of `first` is held by a batch in process or no slot is free: `first` then waits in the
+    /// queue for the next batch.
+    fn later(
+        &self,
+        queue: &mut Queue,
+        first: KafkaMessage,
+        head: &HashSet<String>,
+        later: &VecDeque<Started<impl Future>>,
+    ) -> Option<(Vec<KafkaMessage>, HashSet<String>, OwnedSemaphorePermit)> {
+        let held: Vec<&HashSet<String>> = std::iter::once(head)
+            .chain(later.iter().map(|s| &s.keys))
+            .collect();
+        let key = |msg: &KafkaMessage| self.common.execution.key_id(msg);
+        if is_held(key, &first, &held) {
+            queue.carry = Some(first);
+            return None;
+        }
+        let Ok(permit) = Arc::clone(&self.common.in_flight).try_acquire_owned() else {
+            queue.carry = Some(first);
+            return None;
+        };
+        let (batch, keys) = queue.gather(key, first, &held);
+        Some((batch, keys, permit))
+    }
+
+    /// Starts the first try of `batch`, on `permit` (or on the next free slot).
+    fn start(
+        &self,
+        batch: Vec<KafkaMessage>,
+        keys: HashSet<String>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> Started<impl Future<Output = FirstTry<T>> + use<H, T, C, R>> {
+        let common = &self.common;
+        Started {
+            keys,
+            first: Box::pin(futures::future::maybe_done(first_try(
+                common.execution.clone(),
+                batch,
+                permit,
+                Arc::clone(&common.in_flight),
+                self.revoke.clone(),
+                common.drain.clone(),
+                self.timeouts(),
+            ))),
+        }
+    }
+
+    fn timeouts(&self) -> LostTimeouts {
+        LostTimeouts {
+            orphan: self.common.options.revoke_timeout,
+            release: self.common.options.release_timeout,
+        }
+    }
+
+    /// Counts the leases the steps released.
+    fn count_released(&self, steps: &[Step<T>]) {
+        for step in steps {
+            if let Step::Abandoned {
+                lease_released: true,
+            } = step
+            {
+                RunnerStats::count(&self.common.stats.released, m::RELEASED);
             }
         }
     }
@@ -135,8 +287,11 @@ where
     /// must stop. Records are resolved in order: the first one that is not (busy key, retryable
     /// failure, store error) is tried again after a pause together with every record after it
     /// (those that completed meanwhile are then replayed from the store).
-    async fn process(&self, batch: &[KafkaMessage]) -> Next {
+    ///
+    /// `first` holds the steps of the batch's first try.
+    async fn process(&self, batch: &[KafkaMessage], first: Vec<Step<T>>) -> Next {
         let common = &self.common;
+        let mut first = Some(first);
         let mut start = 0;
         // Backoff on a busy key, for the record at `start`.
         let mut busy = BusyWait::default();
@@ -144,35 +299,35 @@ where
         // them unresolved (behind an unresolved record): counted as executed when resolved.
         let mut executed = vec![false; batch.len()];
         loop {
-            let permit = tokio::select! {
-                biased;
-                () = self.revoke.cancelled() => return Next::Abandoned,
-                () = common.drain.cancelled() => return Next::Abandoned,
-                permit = common.in_flight.acquire() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => return Next::Abandoned,
-                },
+            let steps = match first.take() {
+                Some(steps) => steps,
+                None => {
+                    let permit = tokio::select! {
+                        biased;
+                        () = self.revoke.cancelled() => return Next::Abandoned,
+                        () = common.drain.cancelled() => return Next::Abandoned,
+                        permit = common.in_flight.acquire() => match permit {
+                            Ok(permit) => permit,
+                            Err(_) => return Next::Abandoned,
+                        },
+                    };
+                    let steps = common
+                        .execution
+                        .try_batch(&batch[start..], &self.revoke, self.timeouts())
+                        .await;
+                    drop(permit);
+                    steps
+                }
             };
-            let timeouts = LostTimeouts {
-                orphan: common.options.revoke_timeout,
-                release: common.options.release_timeout,
-            };
-            let steps = common
-                .execution
-                .try_batch(&batch[start..], &self.revoke, timeouts)
-                .await;
-            drop(permit);
             let revoked = self.revoke.is_cancelled();
+            self.count_released(&steps);
             for (at, step) in steps.iter().enumerate() {
-                match step {
-                    Step::Done {
-                        result: Ok(Outcome::Executed(_)),
-                        ..
-                    } => executed[start + at] = true,
-                    Step::Abandoned {
-                        lease_released: true,
-                    } => RunnerStats::count(&common.stats.released, m::RELEASED),
-                    _ => {}
+                if let Step::Done {
+                    result: Ok(Outcome::Executed(_)),
+                    ..
+                } = step
+                {
+                    executed[start + at] = true;
                 }
             }
             let mut delay = None;
@@ -329,6 +484,139 @@ where
     fn resolved(&self, msg: &KafkaMessage) {
         lock(&self.flow).resolved(msg.offset());
     }
+}
+
+/// The partition's records not in a batch yet.
+struct Queue {
+    records: mpsc::UnboundedReceiver<KafkaMessage>,
+    /// False once the channel is closed (the partition is gone).
+    open: bool,
+    /// A record taken from the channel that could not start a batch yet (its key is held by a
+    /// batch in process, or no slot was free): it starts the next one.
+    carry: Option<KafkaMessage>,
+    max_batch: usize,
+    /// Most batches of the partition in process at once.
+    depth: usize,
+}
+
+impl Queue {
+    /// The record to start the next batch with, when one waits already.
+    fn next_waiting(&mut self) -> Option<KafkaMessage> {
+        self.carry.take().or_else(|| self.records.try_recv().ok())
+    }
+
+    /// The batch that starts with `first`: the records waiting after it, up to `max_batch`,
+    /// ending before the first one whose key a batch in process holds (`held`; that record is
+    /// kept for the next batch), and the keys of its records (only read when batches of the
+    /// partition can overlap).
+    fn gather(
+        &mut self,
+        key: impl Fn(&KafkaMessage) -> Option<String>,
+        first: KafkaMessage,
+        held: &[&HashSet<String>],
+    ) -> (Vec<KafkaMessage>, HashSet<String>) {
+        let overlap = self.depth > 1;
+        let mut keys = HashSet::new();
+        let mut batch = Vec::with_capacity(self.max_batch);
+        if overlap {
+            keys.extend(key(&first));
+        }
+        batch.push(first);
+        while batch.len() < self.max_batch {
+            let Ok(msg) = self.records.try_recv() else {
+                break;
+            };
+            if overlap {
+                if is_held(&key, &msg, held) {
+                    self.carry = Some(msg);
+                    break;
+                }
+                keys.extend(key(&msg));
+            }
+            batch.push(msg);
+        }
+        (batch, keys)
+    }
+}
+
+/// Whether one of the `held` key sets holds the key of `msg`.
+fn is_held(
+    key: impl Fn(&KafkaMessage) -> Option<String>,
+    msg: &KafkaMessage,
+    held: &[&HashSet<String>],
+) -> bool {
+    !held.is_empty() && key(msg).is_some_and(|k| held.iter().any(|keys| keys.contains(&k)))
+}
+
+/// What wakes the worker while a batch is processed.
+enum Event {
+    /// The batch is processed.
+    Processed(Next),
+    /// Every later batch's first try is done.
+    LaterDone,
+    /// A record arrived (`None`: the channel is closed).
+    Record(Option<KafkaMessage>),
+}
+
+/// What a batch's first try gives: the batch, and its steps (none when the partition was revoked
+/// or the runner shut down before the try could start).
+type FirstTry<T> = (Vec<KafkaMessage>, Option<Vec<Step<T>>>);
+
+/// A batch of the partition whose first try is under way (or done), waiting to be processed.
+pub(crate) struct Started<F: Future> {
+    /// The keys of its records.
+    keys: HashSet<String>,
+    /// Its first try, kept once done.
+    first: Pin<Box<MaybeDone<F>>>,
+}
+
+/// A batch's first try: on `permit`, or on the next free slot of `in_flight` (unless the
+/// partition is revoked or the runner shuts down first).
+async fn first_try<H, T, C, R>(
+    execution: Execution<H, C, R>,
+    batch: Vec<KafkaMessage>,
+    permit: Option<OwnedSemaphorePermit>,
+    in_flight: Arc<Semaphore>,
+    revoke: CancellationToken,
+    drain: CancellationToken,
+    timeouts: LostTimeouts,
+) -> FirstTry<T>
+where
+    H: Handler<KafkaMessage, R::Returns<T>>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send,
+    C: Codec,
+    R: Recorder,
+{
+    let _permit = match permit {
+        Some(permit) => permit,
+        None => tokio::select! {
+            biased;
+            () = revoke.cancelled() => return (batch, None),
+            () = drain.cancelled() => return (batch, None),
+            permit = in_flight.acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => return (batch, None),
+            },
+        },
+    };
+    let steps = execution.try_batch(&batch, &revoke, timeouts).await;
+    (batch, Some(steps))
+}
+
+/// Polls every batch's first try; ready when all are done.
+fn all_done<F: Future>(later: &mut VecDeque<Started<F>>) -> impl Future<Output = ()> + '_ {
+    futures::future::poll_fn(move |cx| {
+        let mut pending = false;
+        for s in later.iter_mut() {
+            pending |= s.first.as_mut().poll(cx).is_pending();
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
 }
 
 /// The waits before trying again a record whose key another consumer holds: exponential backoff

@@ -999,3 +999,206 @@ async fn a_partition_runs_its_batches_concurrently_keeps_each_key_in_order_and_c
     assert_eq!(before, keys.len(), "each key ran once: {runs:?}");
     assert_eq!(committed(&group, &topic, 1), ends);
 }
+
+/// Runs `recs` on one partition through a runner over Redis with batches of 5 (and `options`
+/// on top), every handler taking 50 ms; returns the runner's stats, the most handlers seen
+/// running at once, and whether two handlers of one key ever ran at once.
+async fn run_in_batches_of_five(
+    recs: &[Rec],
+    per_partition: usize,
+) -> (Arc<idem_kafka::RunnerStats>, u32, bool) {
+    let topic = unique("pipeline");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    let ends = ends(&produce(&topic, recs).await);
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    let in_flight = Arc::new(AtomicU32::new(0));
+    let max_seen = Arc::new(AtomicU32::new(0));
+    let running = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let overlapped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (f, m, r, o) = (
+        Arc::clone(&in_flight),
+        Arc::clone(&max_seen),
+        Arc::clone(&running),
+        Arc::clone(&overlapped),
+    );
+    let handler = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let (f, m, r, o) = (
+            Arc::clone(&f),
+            Arc::clone(&m),
+            Arc::clone(&r),
+            Arc::clone(&o),
+        );
+        async move {
+            let key = String::from_utf8(msg.key().unwrap().to_vec()).unwrap();
+            if !r.lock().unwrap().insert(key.clone()) {
+                o.store(true, Ordering::SeqCst);
+            }
+            let now = f.fetch_add(1, Ordering::SeqCst) + 1;
+            m.fetch_max(now, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            f.fetch_sub(1, Ordering::SeqCst);
+            r.lock().unwrap().remove(&key);
+            Ok::<_, HandlerError>(())
+        }
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store, ExecutorConfig::new("pipeline")),
+        handler,
+    )
+    .topic(&topic)
+    .options(
+        fast_options()
+            .with_max_batch(5)
+            .with_max_batches_per_partition(per_partition),
+    )
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, recs.len() as u64, Duration::from_secs(60)).await;
+    stop(running).await;
+    assert_eq!(committed(&group, &topic, 1), ends, "committed to the end");
+    (
+        stats,
+        max_seen.load(Ordering::SeqCst),
+        overlapped.load(Ordering::SeqCst),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_overlaps_its_batches_up_to_the_bound() {
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    let recs: Vec<Rec> = (0..40)
+        .map(|i| Rec::keyed(0, &format!("k{i}"), "{}"))
+        .collect();
+    let (stats, max_seen, _) = run_in_batches_of_five(&recs, 2).await;
+    assert_eq!(stats.executed(), 40, "{stats:?}");
+    assert!(
+        max_seen > 5 && max_seen <= 10,
+        "two batches of 5 of the partition ran at once, never more: {max_seen}"
+    );
+    let (stats, max_seen, _) = run_in_batches_of_five(&recs, 1).await;
+    assert_eq!(stats.executed(), 40, "{stats:?}");
+    assert!(
+        max_seen <= 5,
+        "one batch at a time when max_batches_per_partition is 1: {max_seen}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_batches_never_hold_one_key_at_once() {
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    // Blocks of five fresh keys, two more, then copies of the block's first three: with batches
+    // of 5, the batch after a block's first five holds the two and must end before the copies,
+    // whose originals are still in process.
+    let recs: Vec<Rec> = (0..8)
+        .flat_map(|block| {
+            let x = |i: usize| format!("x{block}-{i}");
+            let y = |i: usize| format!("y{block}-{i}");
+            (0..5)
+                .map(x)
+                .chain((0..2).map(y))
+                .chain((0..3).map(x))
+                .collect::<Vec<_>>()
+        })
+        .map(|key| Rec::keyed(0, &key, "{}"))
+        .collect();
+    let (stats, max_seen, overlapped) = run_in_batches_of_five(&recs, 3).await;
+    assert!(!overlapped, "two handlers of one key ran at once");
+    assert_eq!((stats.executed(), stats.replayed()), (56, 24), "{stats:?}");
+    assert_eq!(
+        stats.retries(),
+        0,
+        "no batch met its own partition's key in progress: {stats:?}"
+    );
+    assert!(max_seen > 1, "handlers ran at once: {max_seen}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_run_ahead_of_an_unresolved_record_is_not_committed_past_it() {
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("ahead");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    // The first record fails (retryable) while the records after it run, in its batch and the
+    // ones after it; the runner shuts down during the first record's pause.
+    let mut recs = vec![Rec::keyed(0, "stuck", "{}")];
+    recs.extend((1..10).map(|i| Rec::keyed(0, &format!("k{i}"), "{}")));
+    let ends = ends(&produce(&topic, &recs).await);
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    let handler = |msg: KafkaMessage, _ctx: HandlerContext| async move {
+        if msg.key() == Some(b"stuck".as_slice()) {
+            return Err(HandlerError::retryable("not yet"));
+        }
+        Ok::<_, HandlerError>(())
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store.clone(), ExecutorConfig::new("ahead")),
+        handler,
+    )
+    .topic(&topic)
+    .options(
+        fast_options()
+            .with_max_batch(5)
+            .with_max_batches_per_partition(10)
+            .with_retry_delays(Duration::from_secs(20), Duration::from_secs(30)),
+    )
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    // However the records split into batches, up to 10 batches run at once: all of them.
+    let namespace = idem_core::Namespace::new("ahead").unwrap();
+    let last = namespace.key("k9").unwrap();
+    let s = store.clone();
+    let ran_ahead = wait_for(Duration::from_secs(15), || {
+        let (s, k) = (s.clone(), last.clone());
+        async move { matches!(s.get(&k).await, Ok(Some(r)) if matches!(r.state, RecordState::Completed { .. })) }
+    })
+    .await;
+    assert!(
+        ran_ahead,
+        "the batches after the first ran while its first record waited: {stats:?}"
+    );
+    stop(running).await;
+    assert_eq!(
+        stats.resolved(),
+        0,
+        "nothing resolved past the first record: {stats:?}"
+    );
+    assert_eq!(
+        committed(&group, &topic, 1).get(&0),
+        Some(&-1),
+        "nothing committed past the unresolved first record"
+    );
+
+    // The next runner of the group starts again from the first record; what ran ahead is
+    // replayed, not run again.
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store, ExecutorConfig::new("ahead")),
+        |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) },
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, 10, Duration::from_secs(30)).await;
+    stop(running).await;
+    assert_eq!((stats.executed(), stats.replayed()), (1, 9), "{stats:?}");
+    assert_eq!(committed(&group, &topic, 1), ends);
+}
