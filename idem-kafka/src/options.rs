@@ -28,7 +28,7 @@ pub struct RunnerOptions {
     pub max_in_flight: usize,
     /// Most records of one partition handed to the executor in one batch (default 100, and at
     /// most the store's [`max_batch`](idem_core::Limits::max_batch)): the records waiting when
-    /// the partition's worker is free, up to this many, go to
+    /// a batch starts, up to this many, go to
     /// [`Executor::run_batch`](idem_executor::Executor::run_batch) together (one acquire call,
     /// grouped completions). Their handlers run concurrently (records of one key one after the
     /// other, in offset order); they are resolved and committed in offset order. `1` processes
@@ -40,9 +40,10 @@ pub struct RunnerOptions {
     /// waiting for it. A batch starts only with records whose keys none of the partition's
     /// batches in process holds (the first record with such a key waits, and the batch ends
     /// before it), so records of one key still run one after the other in offset order; records
-    /// are still resolved and committed in offset order. Each batch holds one of the
-    /// [`max_in_flight`](Self::max_in_flight) slots, and a batch after the first starts only on
-    /// a free slot (it never waits for one). `1` processes a partition's batches one at a time;
+    /// are still resolved and committed in offset order. A batch's try holds one of the
+    /// [`max_in_flight`](Self::max_in_flight) slots while it runs (a record tried again waits
+    /// for one); a batch after the first starts only when a slot is free (otherwise its records
+    /// wait for the next batch). `1` processes a partition's batches one at a time;
     /// so does a [`max_batch`](Self::max_batch) of 1 (one record at a time), whatever this is.
     pub max_batches_per_partition: usize,
     /// Records of a partition held by the runner, waiting or in process (default 100,000, as

@@ -35,7 +35,7 @@ pub(crate) struct Common<H, C, R = Plain> {
     pub(crate) in_flight: Arc<Semaphore>,
     pub(crate) options: Arc<RunnerOptions>,
     pub(crate) stats: Arc<RunnerStats>,
-    /// Cancelled when the runner shuts down: finish the record in process, start no other.
+    /// Cancelled when the runner shuts down: finish the batches in process, start no other.
     pub(crate) drain: CancellationToken,
 }
 
@@ -56,8 +56,8 @@ pub(crate) struct Worker<H, T, C, R = Plain> {
     pub(crate) common: Common<H, C, R>,
     pub(crate) flow: Arc<Mutex<Flow>>,
     pub(crate) records: mpsc::UnboundedReceiver<KafkaMessage>,
-    /// Cancelled when the partition is revoked (or the drain timed out): the record in process
-    /// gets the revoke timeout to finish (see [`Execution::try_batch`]), nothing more starts.
+    /// Cancelled when the partition is revoked (or the drain timed out): the batches in process
+    /// get the revoke timeout to finish (see [`Execution::try_batch`]), nothing more starts.
     pub(crate) revoke: CancellationToken,
     /// Dropped when the worker ends; the poll thread waits on it.
     pub(crate) _exited: std::sync::mpsc::Sender<()>,
@@ -130,9 +130,21 @@ where
                         },
                     },
                 };
+                // Its slot is taken before any later batch can take one.
+                let permit = tokio::select! {
+                    biased;
+                    () = self.revoke.cancelled() => None,
+                    () = self.common.drain.cancelled() => None,
+                    permit = Arc::clone(&self.common.in_flight).acquire_owned() => permit.ok(),
+                };
+                let Some(permit) = permit else {
+                    // The record taken is left unresolved.
+                    RunnerStats::bump(&self.common.stats.abandoned);
+                    return;
+                };
                 let (batch, keys) =
                     queue.gather(|msg| self.common.execution.key_id(msg), first, &[]);
-                later.push_back(self.start(batch, keys, None));
+                later.push_back(self.start(batch, keys, permit));
             }
             let Some(mut head) = later.pop_front() else {
                 continue;
@@ -151,11 +163,11 @@ where
                 else {
                     break;
                 };
-                later.push_back(self.start(batch, keys, Some(permit)));
+                later.push_back(self.start(batch, keys, permit));
             }
             let mut processed = std::pin::pin!(async {
                 (&mut head.first).await;
-                let Some((batch, Some(steps))) = head.first.as_mut().take_output() else {
+                let Some((batch, steps)) = head.first.as_mut().take_output() else {
                     return Next::Abandoned;
                 };
                 let span = tracing::debug_span!(
@@ -188,7 +200,7 @@ where
                         if let Some((batch, keys, permit)) =
                             self.later(&mut queue, first, &head_keys, &later)
                         {
-                            later.push_back(self.start(batch, keys, Some(permit)));
+                            later.push_back(self.start(batch, keys, permit));
                             later_done = false;
                         }
                     }
@@ -202,10 +214,11 @@ where
                 Next::Abandoned => {
                     RunnerStats::bump(&self.common.stats.abandoned);
                     // The batches after an unresolved record are not resolved either: their
-                    // tries end (they see the revocation), their released leases are counted.
+                    // tries end (all at once: each sees the revocation and its own deadline),
+                    // their released leases are counted.
+                    all_done(&mut later).await;
                     for mut batch in later {
-                        (&mut batch.first).await;
-                        if let Some((_, Some(steps))) = batch.first.as_mut().take_output() {
+                        if let Some((_, steps)) = batch.first.as_mut().take_output() {
                             self.count_released(&steps);
                         }
                     }
@@ -216,9 +229,9 @@ where
     }
 
     /// A batch to start after the one in process (whose keys are `head`) and the `later` ones:
-    /// `first` and the records waiting after it, their keys, and a free slot. `None` when the key
-    /// of `first` is held by a batch in process or no slot is free: `first` then waits in the
-    /// queue for the next batch.
+    /// `first` and the records waiting after it, their keys, and a free slot. `None` when the
+    /// partition is revoked or the runner shuts down, when the key of `first` is held by a batch
+    /// in process, or when no slot is free: `first` then waits in the queue for the next batch.
     fn later(
         &self,
         queue: &mut Queue,
@@ -230,7 +243,10 @@ where
             .chain(later.iter().map(|s| &s.keys))
             .collect();
         let key = |msg: &KafkaMessage| self.common.execution.key_id(msg);
-        if is_held(key, &first, &held) {
+        if self.revoke.is_cancelled()
+            || self.common.drain.is_cancelled()
+            || is_held(key, &first, &held)
+        {
             queue.carry = Some(first);
             return None;
         }
@@ -242,12 +258,12 @@ where
         Some((batch, keys, permit))
     }
 
-    /// Starts the first try of `batch`, on `permit` (or on the next free slot).
+    /// Starts the first try of `batch`, on `permit`.
     fn start(
         &self,
         batch: Vec<KafkaMessage>,
         keys: HashSet<String>,
-        permit: Option<OwnedSemaphorePermit>,
+        permit: OwnedSemaphorePermit,
     ) -> Started<impl Future<Output = FirstTry<T>> + use<H, T, C, R>> {
         let common = &self.common;
         Started {
@@ -256,9 +272,7 @@ where
                 common.execution.clone(),
                 batch,
                 permit,
-                Arc::clone(&common.in_flight),
                 self.revoke.clone(),
-                common.drain.clone(),
                 self.timeouts(),
             ))),
         }
@@ -558,9 +572,8 @@ enum Event {
     Record(Option<KafkaMessage>),
 }
 
-/// What a batch's first try gives: the batch, and its steps (none when the partition was revoked
-/// or the runner shut down before the try could start).
-type FirstTry<T> = (Vec<KafkaMessage>, Option<Vec<Step<T>>>);
+/// What a batch's first try gives: the batch and its steps.
+type FirstTry<T> = (Vec<KafkaMessage>, Vec<Step<T>>);
 
 /// A batch of the partition whose first try is under way (or done), waiting to be processed.
 pub(crate) struct Started<F: Future> {
@@ -570,15 +583,12 @@ pub(crate) struct Started<F: Future> {
     first: Pin<Box<MaybeDone<F>>>,
 }
 
-/// A batch's first try: on `permit`, or on the next free slot of `in_flight` (unless the
-/// partition is revoked or the runner shuts down first).
+/// A batch's first try, holding `permit` (its slot) until it ends.
 async fn first_try<H, T, C, R>(
     execution: Execution<H, C, R>,
     batch: Vec<KafkaMessage>,
-    permit: Option<OwnedSemaphorePermit>,
-    in_flight: Arc<Semaphore>,
+    permit: OwnedSemaphorePermit,
     revoke: CancellationToken,
-    drain: CancellationToken,
     timeouts: LostTimeouts,
 ) -> FirstTry<T>
 where
@@ -588,20 +598,9 @@ where
     C: Codec,
     R: Recorder,
 {
-    let _permit = match permit {
-        Some(permit) => permit,
-        None => tokio::select! {
-            biased;
-            () = revoke.cancelled() => return (batch, None),
-            () = drain.cancelled() => return (batch, None),
-            permit = in_flight.acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => return (batch, None),
-            },
-        },
-    };
     let steps = execution.try_batch(&batch, &revoke, timeouts).await;
-    (batch, Some(steps))
+    drop(permit);
+    (batch, steps)
 }
 
 /// Polls every batch's first try; ready when all are done.
