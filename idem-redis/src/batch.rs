@@ -63,7 +63,7 @@ impl Item {
     }
 
     fn arg(mut self, arg: impl redis::ToRedisArgs) -> Self {
-        self.args.extend(arg.to_redis_args());
+        arg.write_redis_args(&mut self.args);
         self
     }
 }
@@ -103,10 +103,10 @@ fn misplaced(reply: &Value) -> bool {
 /// per own one), the shared values once, then each item's own values, after its key when
 /// `inline` (no declared keys). The owner, lease and attempts of an acquire batch, for instance,
 /// travel once per call instead of once per item.
-fn add_args(
-    call: &mut Call<'_>,
+fn add_args<'a>(
+    call: &mut Call<'a>,
     per_item: usize,
-    items: &[Result<Item>],
+    items: &'a [Result<Item>],
     group: &[usize],
     inline: bool,
 ) {
@@ -122,16 +122,16 @@ fn add_args(
     let mask: String = shared.iter().map(|&s| if s { '1' } else { '0' }).collect();
     call.arg(mask);
     for (arg, _) in first.args.iter().zip(&shared).filter(|(_, s)| **s) {
-        call.arg(arg.as_slice());
+        call.arg_ref(arg);
     }
     for &i in group {
         let item = checked(items, i);
         debug_assert_eq!(item.args.len(), per_item);
         if inline {
-            call.arg(item.key.as_slice());
+            call.arg_ref(&item.key);
         }
         for (arg, _) in item.args.iter().zip(&shared).filter(|(_, s)| !**s) {
-            call.arg(arg.as_slice());
+            call.arg_ref(arg);
         }
     }
 }
@@ -322,8 +322,9 @@ impl RedisStore {
     }
 
     /// An item's own script error (`{-1, message}`, raised inside the batch and caught there):
-    /// a corrupt record, or another server error, mapped as a single call's error would be.
-    fn item_error(&self, key: &[u8], value: &Value) -> Option<Error> {
+    /// a corrupt record (at the storage key `key` gives), or another server error, mapped as a
+    /// single call's error would be.
+    fn item_error(&self, key: impl FnOnce() -> Vec<u8>, value: &Value) -> Option<Error> {
         let Value::Array(parts) = value else {
             return None;
         };
@@ -338,7 +339,7 @@ impl RedisStore {
         if let Some(reason) = message.strip_prefix("IDEMCORRUPT ") {
             return Some(Error::corrupt(
                 self.name(),
-                String::from_utf8_lossy(key),
+                String::from_utf8_lossy(&key()),
                 reason,
             ));
         }
@@ -352,17 +353,18 @@ impl RedisStore {
     }
 
     /// Decodes the reply of one fenced item: `Ok` when applied or replayed, else `LeaseLost`.
-    fn fenced_item(&self, key: &[u8], lease: &Lease, reply: Result<Value>) -> Result<()> {
+    fn fenced_item(&self, lease: &Lease, reply: Result<Value>) -> Result<()> {
         let reply = reply?;
+        let key = || self.storage_key(&lease.key);
         if let Some(e) = self.item_error(key, &reply) {
             return Err(e);
         }
-        match codec::fenced(&reply).map_err(|b| codec::corrupt(self.name(), key, b))? {
+        match codec::fenced(&reply).map_err(|b| codec::corrupt(self.name(), &key(), b))? {
             Fenced::Applied(_) => Ok(()),
             Fenced::Lost(found) => Err(Error::lease_lost(lease, found)),
             Fenced::Refused { index, reason } => Err(codec::corrupt(
                 self.name(),
-                key,
+                &key(),
                 codec::Bad(format!(
                     "a plain transition answered a write refusal ({index}: {reason})"
                 )),
@@ -396,12 +398,12 @@ impl RedisStore {
             .zip(replies)
             .map(|(req, reply)| {
                 let reply = reply?;
-                let key = self.storage_key(&req.key);
-                if let Some(e) = self.item_error(&key, &reply) {
+                let key = || self.storage_key(&req.key);
+                if let Some(e) = self.item_error(key, &reply) {
                     return Err(e);
                 }
                 codec::acquire_outcome(&reply, &req.key, &req.owner)
-                    .map_err(|b| codec::corrupt(self.name(), &key, b))
+                    .map_err(|b| codec::corrupt(self.name(), &key(), b))
             })
             .collect())
     }
@@ -475,7 +477,7 @@ impl RedisStore {
     ) -> Vec<Result<()>> {
         leases
             .zip(replies)
-            .map(|(lease, reply)| self.fenced_item(&self.storage_key(&lease.key), lease, reply))
+            .map(|(lease, reply)| self.fenced_item(lease, reply))
             .collect()
     }
 }

@@ -1,5 +1,6 @@
 //! The connection behind a store (one server or a cluster) and the mapping of driver errors.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -224,7 +225,9 @@ pub(crate) struct Call<'a> {
     script: &'a Script,
     source: &'a str,
     keys: Vec<&'a [u8]>,
-    args: Vec<Vec<u8>>,
+    /// Arguments, borrowed where the caller's bytes outlive the call (a batch's items), so that
+    /// they are copied once, into the command.
+    args: Vec<Cow<'a, [u8]>>,
 }
 
 impl<'a> Call<'a> {
@@ -255,7 +258,14 @@ impl<'a> Call<'a> {
     }
 
     pub(crate) fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
-        self.args.extend(arg.to_redis_args());
+        self.args
+            .extend(arg.to_redis_args().into_iter().map(Cow::Owned));
+        self
+    }
+
+    /// One more argument, borrowed (no copy until the command is built).
+    pub(crate) fn arg_ref(&mut self, arg: &'a [u8]) -> &mut Self {
+        self.args.push(Cow::Borrowed(arg));
         self
     }
 
@@ -276,7 +286,7 @@ impl<'a> Call<'a> {
             cmd.arg(*key);
         }
         for arg in &self.args {
-            cmd.arg(arg.as_slice());
+            cmd.arg(arg.as_ref());
         }
         cmd
     }
