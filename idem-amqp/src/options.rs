@@ -22,9 +22,17 @@ use crate::error::RunnerError;
 #[non_exhaustive]
 pub struct RunnerOptions {
     /// The channel's prefetch count (`basic.qos`, default 16): the deliveries the broker sends
-    /// ahead of their acknowledgements, and so the messages processed at once. Each runs in its
-    /// own task.
+    /// ahead of their acknowledgements, and so the messages processed at once.
     pub prefetch: u16,
+    /// Largest group of deliveries run through one executor batch (default 64; at least 1, at
+    /// most the store's [`max_batch`](idem_core::Limits::max_batch)). The deliveries at hand
+    /// together when one arrives form a group, in a task of its own: their keys are acquired in
+    /// one store call, their handlers run concurrently (those of one key one after the other),
+    /// their results are recorded in grouped calls, and each delivery is settled (ack, retry or
+    /// dead letter) once the whole group has its outcomes. `1` runs and settles each delivery
+    /// on its own (two store round trips per message; a slow handler then holds back no other
+    /// delivery's ack).
+    pub max_batch: usize,
     /// Shortest delay of a retry (default 100 ms), so a hint of zero never spins.
     pub min_retry_delay: Duration,
     /// Longest delay of a retry (default 5 s): a key held by a live lease is looked at again at
@@ -68,6 +76,7 @@ impl Default for RunnerOptions {
     fn default() -> Self {
         Self {
             prefetch: 16,
+            max_batch: 64,
             min_retry_delay: Duration::from_millis(100),
             max_retry_delay: Duration::from_secs(5),
             publish_timeout: Duration::from_secs(30),
@@ -86,6 +95,12 @@ impl RunnerOptions {
     /// Sets [`prefetch`](Self::prefetch).
     pub fn with_prefetch(mut self, prefetch: u16) -> Self {
         self.prefetch = prefetch;
+        self
+    }
+
+    /// Sets [`max_batch`](Self::max_batch).
+    pub fn with_max_batch(mut self, n: usize) -> Self {
+        self.max_batch = n;
         self
     }
 
@@ -158,11 +173,22 @@ impl RunnerOptions {
         broker::reconnect_delay(failures, self.min_reconnect_delay, self.max_reconnect_delay)
     }
 
-    pub(crate) fn validate(&self) -> Result<(), RunnerError> {
+    /// Checks the options; `store_max_batch` is the executor's store's
+    /// [`max_batch`](idem_core::Limits::max_batch).
+    pub(crate) fn validate(&self, store_max_batch: usize) -> Result<(), RunnerError> {
         if self.prefetch == 0 {
             return Err(RunnerError::config(
                 "prefetch",
                 "must be at least 1 (0 means unlimited to the broker)",
+            ));
+        }
+        if self.max_batch == 0 || self.max_batch > store_max_batch {
+            return Err(RunnerError::config(
+                "max_batch",
+                format!(
+                    "{} is not within 1 and the store's max_batch {store_max_batch}",
+                    self.max_batch
+                ),
             ));
         }
         broker::check_delays("retry_delay", self.min_retry_delay, self.max_retry_delay)?;
@@ -215,12 +241,20 @@ mod tests {
 
     #[test]
     fn validation_names_the_field() {
-        assert!(RunnerOptions::default().validate().is_ok());
-        let field = |o: RunnerOptions| match o.validate() {
+        assert!(RunnerOptions::default().validate(100).is_ok());
+        let field = |o: RunnerOptions| match o.validate(100) {
             Err(RunnerError::Config { field, .. }) => field,
             other => panic!("{other:?}"),
         };
         assert_eq!(field(RunnerOptions::default().with_prefetch(0)), "prefetch");
+        assert_eq!(
+            field(RunnerOptions::default().with_max_batch(0)),
+            "max_batch"
+        );
+        assert_eq!(
+            field(RunnerOptions::default().with_max_batch(101)),
+            "max_batch"
+        );
         assert_eq!(
             field(
                 RunnerOptions::default()

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use idem_executor::broker::{self, DeadLetterInfo, DrainTimeouts, Execution, Step, outcome_name};
 use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
 use lapin::options::{
@@ -259,25 +259,48 @@ where
                 biased;
                 () = stop.cancelled() => break None,
                 Some(joined) = tasks.join_next(), if !tasks.is_empty() => report(joined),
-                next = session.consumer.next() => match next {
-                    Some(Ok(delivery)) => {
-                        RunnerStats::bump(&self.common.stats.received);
+                next = session.consumer.next() => {
+                    // The deliveries at hand with this one form its group.
+                    let mut group = Vec::new();
+                    let mut next = Some(next);
+                    let mut ended = None;
+                    while let Some(item) = next.take() {
+                        match item {
+                            Some(Ok(delivery)) => {
+                                RunnerStats::bump(&self.common.stats.received);
+                                group.push(delivery);
+                                if group.len() < self.common.options.max_batch {
+                                    if group.len() == 1 {
+                                        // One yield lets the connection's reader hand over
+                                        // the deliveries it already received: those that
+                                        // arrived together form one group.
+                                        tokio::task::yield_now().await;
+                                    }
+                                    next = session.consumer.next().now_or_never();
+                                }
+                            }
+                            Some(Err(e)) => ended = Some(e.to_string()),
+                            None => ended = Some(CANCELLED.to_owned()),
+                        }
+                    }
+                    if !group.is_empty() {
                         tasks.spawn(deliver(
                             Arc::clone(&self.common),
                             Arc::clone(&session.publisher),
-                            delivery,
+                            group,
                             session.lost.clone(),
                         ));
                     }
-                    Some(Err(e)) => break Some(e.to_string()),
-                    None => break Some("the broker cancelled the consumer (queue deleted?)".to_owned()),
-                },
+                    if let Some(why) = ended {
+                        break Some(why);
+                    }
+                }
             }
         };
         match lost {
             Some(why) => {
                 // The in-flight deliveries cannot be acknowledged any more: the broker requeues
-                // them. Their tasks go on by themselves (see `Execution::try_once`).
+                // them. Their tasks go on by themselves (see `Execution::try_batch`).
                 session.lost.cancel();
                 tasks.detach_all();
                 let connection = Arc::clone(&session.connection);
@@ -401,7 +424,8 @@ where
     /// # Errors
     /// [`RunnerError::Config`] naming the bad option or name.
     pub fn build(self) -> Result<AmqpRunner<H, T, C, R>, RunnerError> {
-        self.options.validate()?;
+        self.options
+            .validate(self.executor.store().limits().max_batch)?;
         self.topology.validate()?;
         if self.uri.is_empty() {
             return Err(RunnerError::config("uri", "is empty"));
@@ -422,12 +446,15 @@ where
     }
 }
 
-/// Processes one delivery to its end: an executor call, then the ack, the delayed retry or the
-/// dead letter.
+/// Why the consumer ended when the broker cancelled it.
+const CANCELLED: &str = "the broker cancelled the consumer (queue deleted?)";
+
+/// Processes a group of deliveries to their ends: one executor batch, then each one's ack,
+/// delayed retry or dead letter (all at once).
 async fn deliver<H, T, C, R>(
     common: Arc<Common<H, C, R>>,
     publisher: Arc<Publisher>,
-    mut delivery: lapin::message::Delivery,
+    group: Vec<lapin::message::Delivery>,
     lost: CancellationToken,
 ) where
     H: Handler<AmqpMessage, R::Returns<T>>,
@@ -436,24 +463,38 @@ async fn deliver<H, T, C, R>(
     C: Codec,
     R: Recorder,
 {
-    let msg = AmqpMessage::from_delivery(&mut delivery, Arc::clone(&common.queue));
-    let acker = delivery.acker;
-    let span = tracing::debug_span!(
-        "idem_amqp_delivery",
-        queue = %common.queue,
-        delivery_tag = msg.delivery_tag(),
-        redelivered = msg.redelivered(),
-        outcome = tracing::field::Empty,
-    );
-    Delivery {
-        common: &common,
-        publisher: &publisher,
-        acker,
-        lost: &lost,
-    }
-    .process::<T>(&msg)
-    .instrument(span)
-    .await;
+    let (msgs, ackers): (Vec<AmqpMessage>, Vec<Acker>) = group
+        .into_iter()
+        .map(|mut delivery| {
+            let msg = AmqpMessage::from_delivery(&mut delivery, Arc::clone(&common.queue));
+            (msg, delivery.acker)
+        })
+        .unzip();
+    let steps = common
+        .execution
+        .try_batch(&msgs, &lost, common.options.lost_timeouts())
+        .await;
+    let settled = msgs
+        .iter()
+        .zip(ackers)
+        .zip(steps)
+        .map(|((msg, acker), step)| {
+            let span = tracing::debug_span!(
+                "idem_amqp_delivery",
+                queue = %common.queue,
+                delivery_tag = msg.delivery_tag(),
+                redelivered = msg.redelivered(),
+                outcome = tracing::field::Empty,
+            );
+            let delivery = Delivery {
+                common: &common,
+                publisher: &publisher,
+                acker,
+                lost: &lost,
+            };
+            async move { delivery.settle::<T>(msg, step).await }.instrument(span)
+        });
+    futures::future::join_all(settled).await;
 }
 
 struct Delivery<'a, H, C, R> {
@@ -468,18 +509,13 @@ where
     C: Codec,
     R: Recorder,
 {
-    async fn process<T>(&self, msg: &AmqpMessage)
+    /// Settles the delivery by the step its executor call gave.
+    async fn settle<T>(&self, msg: &AmqpMessage, step: Step<T>)
     where
-        H: Handler<AmqpMessage, R::Returns<T>>,
         T: Serialize + DeserializeOwned + Send + 'static,
-        R::Returns<T>: Send + 'static,
     {
         let common = self.common;
         let options = &common.options;
-        let step = common
-            .execution
-            .try_once(msg, self.lost, options.lost_timeouts())
-            .await;
         let (result, attempt) = match step {
             Step::Abandoned { lease_released } => {
                 if lease_released {

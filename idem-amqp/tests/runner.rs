@@ -363,3 +363,65 @@ async fn a_broker_that_never_answers_times_out() {
     assert!(started.elapsed() < Duration::from_secs(10));
     silent.abort();
 }
+
+/// Store requests for 200 waiting deliveries, prefetch 64, groups of at most `max_batch`.
+async fn requests_for_200(max_batch: usize) -> u64 {
+    let url = amqp_url();
+    let topology = topology("groups", QueueType::Classic);
+    declare(&url, &topology).await;
+    let msgs: Vec<Msg> = (0..200)
+        .map(|i| Msg::keyed(&format!("k{i}"), format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    publish(&url, &topology.queue, &msgs).await;
+    let store = redis_store(&format!("{}:", unique("idem-amqp-groups"))).await;
+    let handler = |_msg: AmqpMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(1u8) };
+    let runner = AmqpRunner::builder(
+        &url,
+        topology.clone(),
+        executor(shared(store.clone()), ExecutorConfig::new("amqp-groups")),
+        handler,
+    )
+    .options(options().with_prefetch(64).with_max_batch(max_batch))
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let done = wait_for(Duration::from_secs(30), || {
+        let stats = Arc::clone(&stats);
+        async move { stats.executed() == 200 }
+    })
+    .await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("drained in time")
+        .unwrap()
+        .expect("run");
+    assert!(done, "{stats:?}");
+    assert_eq!(
+        queue_state(&url, &topology.queue).await,
+        (0, 0),
+        "nothing left, nothing unacknowledged"
+    );
+    cleanup(&url, &topology).await;
+    store.requests_sent()
+}
+
+/// Deliveries at hand together run as groups: their keys acquired and their results recorded
+/// in batched store calls, where `max_batch` 1 sends an acquire and a completion for each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_deliveries_run_in_groups() {
+    if !amqp_and_redis() {
+        return;
+    }
+    init_tracing();
+    let one_by_one = requests_for_200(1).await;
+    assert_eq!(one_by_one, 400, "an acquire and a completion per delivery");
+    let grouped = requests_for_200(64).await;
+    assert!(
+        grouped <= 200,
+        "200 deliveries in groups: {grouped} store requests, fewer than one per delivery"
+    );
+    println!("store requests for 200 deliveries: {one_by_one} one by one, {grouped} in groups");
+}
