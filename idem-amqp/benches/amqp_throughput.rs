@@ -7,7 +7,8 @@
 //!   fencing, no heartbeat, no conflict detection, no retry or dead-lettering);
 //! - **runner**: [`AmqpRunner`] with the Redis store around the same no-op handler.
 //!
-//! Every consumer runs with the same prefetch (each delivery in its own task) over 20,000
+//! Every consumer runs with the same prefetch (the raw and hand-written ones each delivery in its
+//! own task, the runner the deliveries at hand in groups) over 20,000
 //! persistent messages of which 20% are duplicates. Prints messages per second and the
 //! runner / hand-written ratio (target: 0.8 or more).
 //!

@@ -24,14 +24,17 @@ pub struct RunnerOptions {
     /// The channel's prefetch count (`basic.qos`, default 16): the deliveries the broker sends
     /// ahead of their acknowledgements, and so the messages processed at once.
     pub prefetch: u16,
-    /// Largest group of deliveries run through one executor batch (default 64; at least 1, at
-    /// most the store's [`max_batch`](idem_core::Limits::max_batch)). The deliveries at hand
-    /// together when one arrives form a group, in a task of its own: their keys are acquired in
-    /// one store call, their handlers run concurrently (those of one key one after the other),
-    /// their results are recorded in grouped calls, and each delivery is settled (ack, retry or
-    /// dead letter) once the whole group has its outcomes. `1` runs and settles each delivery
-    /// on its own (two store round trips per message; a slow handler then holds back no other
-    /// delivery's ack).
+    /// Largest group of deliveries run through one executor batch (default 64, at least 1; a
+    /// group is also bounded by [`prefetch`](Self::prefetch) and the store's
+    /// [`max_batch`](idem_core::Limits::max_batch)). The deliveries at hand together when one
+    /// arrives form a group, in a task of its own: their keys are acquired in one store call,
+    /// their handlers run concurrently (up to the executor's batch concurrency; those of one key
+    /// one after the other), their results are recorded in grouped calls, and each delivery is
+    /// settled (ack, retry or dead letter) once the whole group has its outcomes. So a slow
+    /// handler holds back its group's acknowledgements and prefetch slots, and copies of one key
+    /// in a group run their handlers back to back (see the README's "Consumer timeout"). `1`
+    /// runs and settles each delivery on its own (two store round trips per message): the
+    /// choice for handlers that take minutes.
     pub max_batch: usize,
     /// Shortest delay of a retry (default 100 ms), so a hint of zero never spins.
     pub min_retry_delay: Duration,
@@ -173,23 +176,15 @@ impl RunnerOptions {
         broker::reconnect_delay(failures, self.min_reconnect_delay, self.max_reconnect_delay)
     }
 
-    /// Checks the options; `store_max_batch` is the executor's store's
-    /// [`max_batch`](idem_core::Limits::max_batch).
-    pub(crate) fn validate(&self, store_max_batch: usize) -> Result<(), RunnerError> {
+    pub(crate) fn validate(&self) -> Result<(), RunnerError> {
         if self.prefetch == 0 {
             return Err(RunnerError::config(
                 "prefetch",
                 "must be at least 1 (0 means unlimited to the broker)",
             ));
         }
-        if self.max_batch == 0 || self.max_batch > store_max_batch {
-            return Err(RunnerError::config(
-                "max_batch",
-                format!(
-                    "{} is not within 1 and the store's max_batch {store_max_batch}",
-                    self.max_batch
-                ),
-            ));
+        if self.max_batch == 0 {
+            return Err(RunnerError::config("max_batch", "must be at least 1"));
         }
         broker::check_delays("retry_delay", self.min_retry_delay, self.max_retry_delay)?;
         if self.max_retry_delay.as_millis() > u128::from(u32::MAX) {
@@ -241,18 +236,14 @@ mod tests {
 
     #[test]
     fn validation_names_the_field() {
-        assert!(RunnerOptions::default().validate(100).is_ok());
-        let field = |o: RunnerOptions| match o.validate(100) {
+        assert!(RunnerOptions::default().validate().is_ok());
+        let field = |o: RunnerOptions| match o.validate() {
             Err(RunnerError::Config { field, .. }) => field,
             other => panic!("{other:?}"),
         };
         assert_eq!(field(RunnerOptions::default().with_prefetch(0)), "prefetch");
         assert_eq!(
             field(RunnerOptions::default().with_max_batch(0)),
-            "max_batch"
-        );
-        assert_eq!(
-            field(RunnerOptions::default().with_max_batch(101)),
             "max_batch"
         );
         assert_eq!(

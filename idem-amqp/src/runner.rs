@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
@@ -248,12 +249,19 @@ where
             consumer,
             publisher,
             lost: CancellationToken::new(),
+            unsettled: Arc::new(AtomicUsize::new(0)),
         })
     }
 
     /// Consumes on `session` until it is lost (`Some(why)`) or `stop` (`None`, after the drain).
     async fn consume(&self, mut session: Session, stop: &CancellationToken) -> Option<String> {
         let mut tasks = JoinSet::new();
+        let max_batch = self
+            .common
+            .options
+            .max_batch
+            .min(self.common.execution.max_batch())
+            .max(1);
         let lost = loop {
             tokio::select! {
                 biased;
@@ -269,7 +277,7 @@ where
                             Some(Ok(delivery)) => {
                                 RunnerStats::bump(&self.common.stats.received);
                                 group.push(delivery);
-                                if group.len() < self.common.options.max_batch {
+                                if group.len() < max_batch {
                                     if group.len() == 1 {
                                         // One yield lets the connection's reader hand over
                                         // the deliveries it already received: those that
@@ -284,11 +292,13 @@ where
                         }
                     }
                     if !group.is_empty() {
+                        session.unsettled.fetch_add(group.len(), Ordering::Relaxed);
                         tasks.spawn(deliver(
                             Arc::clone(&self.common),
                             Arc::clone(&session.publisher),
                             group,
                             session.lost.clone(),
+                            Arc::clone(&session.unsettled),
                         ));
                     }
                     if let Some(why) = ended {
@@ -359,7 +369,9 @@ where
         };
         let drained = broker::drain(&mut tasks, &session.lost, timeouts, report, give_back).await;
         if drained.aborted > 0 {
-            RunnerStats::add(&stats.abandoned, m::ABANDONED, drained.aborted);
+            // The deliveries the aborted groups had not settled yet (a group is one task).
+            let left = session.unsettled.swap(0, Ordering::Relaxed);
+            RunnerStats::add(&stats.abandoned, m::ABANDONED, left);
         }
         session.publisher.close().await;
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, session.channel.close(200, "shutdown".into()))
@@ -372,13 +384,13 @@ where
     }
 }
 
-/// Logs a delivery task that panicked (the delivery stays unacknowledged until the channel
-/// closes).
+/// Logs a group's task that panicked (its deliveries not settled yet stay unacknowledged, and
+/// hold their prefetch slots, until the channel closes).
 fn report(joined: Result<(), tokio::task::JoinError>) {
     if let Err(e) = joined
         && e.is_panic()
     {
-        tracing::error!(error = %e, "a delivery task panicked; its delivery stays unacknowledged until the channel closes");
+        tracing::error!(error = %e, "a delivery group's task panicked; its deliveries not settled yet stay unacknowledged until the channel closes");
     }
 }
 
@@ -390,6 +402,8 @@ struct Session {
     publisher: Arc<Publisher>,
     /// Cancelled when the session is lost (or the drain timed out).
     lost: CancellationToken,
+    /// Deliveries handed to a group's task and not settled yet.
+    unsettled: Arc<AtomicUsize>,
 }
 
 impl<H, T, C, R> AmqpRunnerBuilder<H, T, C, R>
@@ -424,8 +438,7 @@ where
     /// # Errors
     /// [`RunnerError::Config`] naming the bad option or name.
     pub fn build(self) -> Result<AmqpRunner<H, T, C, R>, RunnerError> {
-        self.options
-            .validate(self.executor.store().limits().max_batch)?;
+        self.options.validate()?;
         self.topology.validate()?;
         if self.uri.is_empty() {
             return Err(RunnerError::config("uri", "is empty"));
@@ -456,6 +469,7 @@ async fn deliver<H, T, C, R>(
     publisher: Arc<Publisher>,
     group: Vec<lapin::message::Delivery>,
     lost: CancellationToken,
+    unsettled: Arc<AtomicUsize>,
 ) where
     H: Handler<AmqpMessage, R::Returns<T>>,
     T: Serialize + DeserializeOwned + Send + 'static,
@@ -470,9 +484,16 @@ async fn deliver<H, T, C, R>(
             (msg, delivery.acker)
         })
         .unzip();
+    let span = tracing::debug_span!(
+        "idem_amqp_group",
+        queue = %common.queue,
+        deliveries = msgs.len(),
+        first_delivery_tag = msgs[0].delivery_tag(),
+    );
     let steps = common
         .execution
         .try_batch(&msgs, &lost, common.options.lost_timeouts())
+        .instrument(span)
         .await;
     let settled = msgs
         .iter()
@@ -492,7 +513,12 @@ async fn deliver<H, T, C, R>(
                 acker,
                 lost: &lost,
             };
-            async move { delivery.settle::<T>(msg, step).await }.instrument(span)
+            let unsettled = &unsettled;
+            async move {
+                delivery.settle::<T>(msg, step).await;
+                unsettled.fetch_sub(1, Ordering::Relaxed);
+            }
+            .instrument(span)
         });
     futures::future::join_all(settled).await;
 }
