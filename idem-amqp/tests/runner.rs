@@ -23,6 +23,33 @@ fn options() -> RunnerOptions {
         .with_drain_timeout(Duration::from_secs(10))
 }
 
+/// Runs `runner` until `done` holds on its stats (at most 30 s), then stops it and waits for
+/// its drain; whether `done` held.
+async fn run_until<H, T>(
+    runner: AmqpRunner<H, T>,
+    done: impl Fn(&idem_amqp::RunnerStats) -> bool + Copy,
+) -> bool
+where
+    H: idem_amqp::Handler<AmqpMessage, T>,
+    T: serde::Serialize + serde::de::DeserializeOwned + Send + 'static,
+{
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let held = wait_for(Duration::from_secs(30), || {
+        let stats = Arc::clone(&stats);
+        async move { done(&stats) }
+    })
+    .await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("drained in time")
+        .unwrap()
+        .expect("run");
+    held
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_replay_conflicts_and_poison_dead_letter() {
     if !amqp_and_redis() {
@@ -73,20 +100,7 @@ async fn poison_and_conflicts(queue_type: QueueType) {
         .build()
         .expect("runner");
     let stats = runner.stats();
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
-
-    let done = wait_for(Duration::from_secs(30), || {
-        let stats = Arc::clone(&stats);
-        async move { stats.executed() == 40 && stats.dead_lettered() == 2 }
-    })
-    .await;
-    stop.cancel();
-    tokio::time::timeout(Duration::from_secs(20), task)
-        .await
-        .expect("drained in time")
-        .unwrap()
-        .expect("run");
+    let done = run_until(runner, |s| s.executed() == 40 && s.dead_lettered() == 2).await;
     assert!(done, "{stats:?}");
     assert_eq!(stats.replayed(), 10, "{stats:?}");
     let runs = runs.lock().unwrap().clone();
@@ -385,19 +399,7 @@ async fn requests_for_200(max_batch: usize) -> u64 {
     .build()
     .expect("runner");
     let stats = runner.stats();
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
-    let done = wait_for(Duration::from_secs(30), || {
-        let stats = Arc::clone(&stats);
-        async move { stats.executed() == 200 }
-    })
-    .await;
-    stop.cancel();
-    tokio::time::timeout(Duration::from_secs(20), task)
-        .await
-        .expect("drained in time")
-        .unwrap()
-        .expect("run");
+    let done = run_until(runner, |s| s.executed() == 200).await;
     assert!(done, "{stats:?}");
     assert_eq!(
         queue_state(&url, &topology.queue).await,
