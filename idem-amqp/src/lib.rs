@@ -10,7 +10,7 @@ mod stats;
 mod topology;
 
 pub use dead_letter::{
-    DeadLetterReason, HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_REASON,
+    DeadLetterReason, HEADER_ATTEMPTS, HEADER_DROPPED, HEADER_ERROR, HEADER_KEY, HEADER_REASON,
     HEADER_SOURCE_EXCHANGE, HEADER_SOURCE_QUEUE, HEADER_SOURCE_ROUTING_KEY,
 };
 pub use error::RunnerError;

@@ -1,5 +1,6 @@
 //! The message the handler receives.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use lapin::BasicProperties;
@@ -12,7 +13,9 @@ use lapin::types::{AMQPValue, FieldTable};
 /// Implements [`idem_executor::Message`]: [`header`](idem_executor::Message::header) reads the
 /// header table by exact (case-sensitive) name and gives the bytes of a string value
 /// (`LongString`, `ShortString`) or a byte array; headers of other types (numbers, tables) read
-/// as absent there and are available through [`header_value`](Self::header_value).
+/// as absent there and are available through [`header_value`](Self::header_value). The key
+/// header is read by [`key_header`](idem_executor::Message::key_header): integers as their
+/// decimal text, other types refused (an `invalid_message` dead letter).
 /// [`message_key`](idem_executor::Message::message_key) is the `message_id` property.
 #[derive(Clone, Debug)]
 pub struct AmqpMessage {
@@ -124,12 +127,54 @@ impl idem_executor::Message for AmqpMessage {
         }
     }
 
+    /// Strings and byte arrays as they are, integers as their decimal text (a payment id sent
+    /// as a number), a void value as no header; any other type is refused (an
+    /// `invalid_message` dead letter), never taken for a missing key.
+    fn key_header(&self, name: &str) -> Result<Option<Cow<'_, [u8]>>, String> {
+        let Some(value) = self.header_value(name) else {
+            return Ok(None);
+        };
+        let integer = match value {
+            AMQPValue::LongString(_) | AMQPValue::ShortString(_) | AMQPValue::ByteArray(_) => {
+                return Ok(self.header(name).map(Cow::Borrowed));
+            }
+            AMQPValue::Void => return Ok(None),
+            AMQPValue::ShortShortInt(n) => i128::from(*n),
+            AMQPValue::ShortShortUInt(n) => i128::from(*n),
+            AMQPValue::ShortInt(n) => i128::from(*n),
+            AMQPValue::ShortUInt(n) => i128::from(*n),
+            AMQPValue::LongInt(n) => i128::from(*n),
+            AMQPValue::LongUInt(n) => i128::from(*n),
+            AMQPValue::LongLongInt(n) => i128::from(*n),
+            other => {
+                return Err(format!(
+                    "{} value, where a key is a string, a byte array or an integer",
+                    type_name(other)
+                ));
+            }
+        };
+        Ok(Some(Cow::Owned(integer.to_string().into_bytes())))
+    }
+
     fn message_key(&self) -> Option<&[u8]> {
         self.inner
             .properties
             .message_id()
             .as_ref()
             .map(|id| id.as_str().as_bytes())
+    }
+}
+
+/// An AMQP field value's type, as an error names it.
+fn type_name(value: &AMQPValue) -> &'static str {
+    match value {
+        AMQPValue::Boolean(_) => "a boolean",
+        AMQPValue::Float(_) | AMQPValue::Double(_) => "a floating-point",
+        AMQPValue::DecimalValue(_) => "a decimal",
+        AMQPValue::Timestamp(_) => "a timestamp",
+        AMQPValue::FieldArray(_) => "an array",
+        AMQPValue::FieldTable(_) => "a table",
+        _ => "an unexpected",
     }
 }
 
@@ -163,5 +208,46 @@ mod tests {
         assert_eq!(msg.header_value("n"), Some(&AMQPValue::LongLongInt(3)));
         assert_eq!(msg.message_key(), Some(&b"m-1"[..]));
         assert_eq!(msg.payload(), b"{}");
+    }
+
+    #[test]
+    fn a_key_header_of_another_type_is_read_or_refused_never_missing() {
+        use idem_executor::{ExecutorError, KeySource};
+        let key = |value: AMQPValue| {
+            let mut headers = FieldTable::default();
+            headers.insert(ShortString::from("idempotency-key"), value);
+            let msg = AmqpMessage::new(
+                b"{}".to_vec(),
+                BasicProperties::default().with_headers(headers),
+            );
+            KeySource::header("idempotency-key").extract(&msg)
+        };
+        assert_eq!(
+            key(AMQPValue::LongLongInt(-42)).unwrap(),
+            Some("-42".into())
+        );
+        assert_eq!(key(AMQPValue::LongUInt(7)).unwrap(), Some("7".into()));
+        assert_eq!(
+            key(AMQPValue::ShortShortUInt(255)).unwrap(),
+            Some("255".into())
+        );
+        assert_eq!(
+            key(AMQPValue::ByteArray(b"tx".to_vec().into())).unwrap(),
+            Some("tx".into())
+        );
+        assert_eq!(key(AMQPValue::Void).unwrap(), None);
+        for (value, named) in [
+            (AMQPValue::Boolean(true), "boolean"),
+            (AMQPValue::Double(1.5), "floating-point"),
+            (AMQPValue::Timestamp(1), "timestamp"),
+            (AMQPValue::FieldTable(FieldTable::default()), "table"),
+        ] {
+            match key(value) {
+                Err(e @ ExecutorError::InvalidMessage { .. }) => {
+                    assert!(e.to_string().contains(named), "{e}");
+                }
+                other => panic!("{named}: expected InvalidMessage, got {other:?}"),
+            }
+        }
     }
 }

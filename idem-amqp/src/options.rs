@@ -51,9 +51,10 @@ pub struct RunnerOptions {
     /// reconnection, never hangs the runner.
     pub connect_timeout: Duration,
     /// How long a handler may go on after its delivery was lost (its channel or connection
-    /// closed, or the drain timed out) before it is dropped (default 10 s). It is signalled
-    /// through its context's cancellation token half-way. Its lease is never released once it
-    /// started: if it still has to be dropped, the lease expires and the next owner takes the key
+    /// closed, or the drain timed out) before it is signalled (default 10 s): half-way through,
+    /// its context's cancellation token is cancelled, and the executor, which reads that as a
+    /// lost lease, drops the handler unless it returns in that same poll, recording nothing. Its
+    /// lease is never released once it started: it expires and the next owner takes the key
     /// over.
     pub orphan_timeout: Duration,
     /// Longest wait for one lease release (default 5 s; must be below

@@ -7,7 +7,9 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 
+use crate::error::RunnerError;
 use crate::message::AmqpMessage;
+use crate::topology::QueueTopology;
 
 /// Why a publication did not land.
 #[derive(Debug, thiserror::Error)]
@@ -20,6 +22,38 @@ pub(crate) enum PublishError {
     Nacked,
     #[error("not confirmed within {0:?}")]
     TimedOut(Duration),
+    /// Not sent: the broker would close the connection over it (`FRAME_ERROR`).
+    #[error(
+        "not sent: its properties and headers take {size} bytes, more than the connection's frame size allows ({max})"
+    )]
+    TooLarge { size: usize, max: usize },
+}
+
+impl PublishError {
+    /// Whether the broker refused the publication because an exchange (`404 NOT_FOUND`) or a
+    /// queue bound for it (returned as unroutable, `312 NO_ROUTE`) is gone.
+    pub(crate) fn topology_missing(&self) -> bool {
+        match self {
+            Self::Returned { code, .. } => *code == 312,
+            Self::Amqp(e) => {
+                matches!(e.kind(), lapin::ErrorKind::ProtocolError(a) if a.get_id() == 404)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// What a content header frame's payload holds besides the properties: class id, weight and
+/// body size.
+const CONTENT_HEADER_FIXED: usize = 2 + 2 + 8;
+/// What a frame holds besides its payload: type, channel, size and end octet.
+const FRAME_OVERHEAD: usize = 1 + 2 + 4 + 1;
+
+/// The payload size of the content header frame that carries `properties` (its headers
+/// included); `None` when they cannot be encoded (then the publication fails as it would).
+fn content_header_size(properties: &BasicProperties) -> Option<usize> {
+    let written = lapin::protocol::basic::gen_properties(properties)(Vec::new().into()).ok()?;
+    Some(CONTENT_HEADER_FIXED + written.write.len())
 }
 
 /// Publishes on its own confirm-mode channel of the session's connection, opened again when a
@@ -61,6 +95,14 @@ impl Publisher {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
+        // A content header frame must fit in one frame: the broker answers a larger one by
+        // closing the connection, which would cancel every delivery in flight on it.
+        let frame_max =
+            usize::try_from(self.connection.configuration().frame_max()).unwrap_or(usize::MAX);
+        let max = frame_max.saturating_sub(FRAME_OVERHEAD);
+        if let Some(size) = content_header_size(&properties).filter(|&size| size > max) {
+            return Err(PublishError::TooLarge { size, max });
+        }
         let publish = async {
             let channel = self.channel().await?;
             let confirm = channel
@@ -95,6 +137,18 @@ impl Publisher {
         }
     }
 
+    /// Declares `topology` again on a channel of its own (a refused declaration closes it), for
+    /// a publication refused because an exchange or a queue of it is gone.
+    pub(crate) async fn redeclare(&self, topology: &QueueTopology) -> Result<(), RunnerError> {
+        let channel =
+            self.connection.create_channel().await.map_err(|e| {
+                RunnerError::amqp("opening a channel to declare the topology again", e)
+            })?;
+        let declared = topology.declare_on(&channel).await;
+        let _ = channel.close(200, "declared".into()).await;
+        declared
+    }
+
     /// Closes the channel (best effort).
     pub(crate) async fn close(&self) {
         if let Some(channel) = self.channel.lock().await.take() {
@@ -104,10 +158,15 @@ impl Publisher {
     }
 }
 
+/// The headers by which RabbitMQ routes a message to more queues (sender-selected distribution).
+const ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
+
 /// The properties of a copy of `msg` published again (to the retry queue or the dead-letter
 /// exchange): the original ones, with `headers` in place of the original headers (when given)
 /// and `expiration` in place of the original expiration. The `user_id` is dropped: the broker
-/// refuses a `user_id` other than the publishing connection's user.
+/// refuses a `user_id` other than the publishing connection's user. The `CC` and `BCC` headers
+/// are dropped too: the broker would route every copy to the queues they name again (a `CC`
+/// naming the work queue sent each retry straight back, undelayed, beside the delayed copy).
 pub(crate) fn republished(
     msg: &AmqpMessage,
     headers: Option<FieldTable>,
@@ -123,7 +182,7 @@ pub(crate) fn republished(
         out = out.with_content_encoding(v.clone());
     }
     if let Some(v) = headers.or_else(|| p.headers().clone()) {
-        out = out.with_headers(v);
+        out = out.with_headers(without_routing_headers(v));
     }
     if persistent {
         out = out.with_delivery_mode(2);
@@ -160,8 +219,20 @@ pub(crate) fn republished(
     out
 }
 
+/// `headers` without [`ROUTING_HEADERS`].
+fn without_routing_headers(headers: FieldTable) -> FieldTable {
+    if !ROUTING_HEADERS.iter().any(|h| headers.contains_key(h)) {
+        return headers;
+    }
+    let mut kept = headers.inner().clone();
+    kept.retain(|name, _| !ROUTING_HEADERS.contains(&name.as_str()));
+    FieldTable::from(kept)
+}
+
 #[cfg(test)]
 mod tests {
+    use lapin::types::AMQPValue;
+
     use super::*;
 
     #[test]
@@ -192,5 +263,25 @@ mod tests {
             "dead letters are persistent"
         );
         assert_eq!(dead.headers(), &Some(FieldTable::default()));
+    }
+
+    #[test]
+    fn republished_drops_the_routing_headers() {
+        let mut headers = FieldTable::default();
+        for name in ["CC", "BCC", "trace"] {
+            headers.insert(name.into(), AMQPValue::LongString("x".into()));
+        }
+        let msg = AmqpMessage::new(
+            b"{}".to_vec(),
+            BasicProperties::default().with_headers(headers.clone()),
+        );
+        for copy in [
+            republished(&msg, None, None, false),
+            republished(&msg, Some(headers), None, true),
+        ] {
+            let kept = copy.headers().as_ref().unwrap();
+            assert!(kept.contains_key("trace"));
+            assert!(!kept.contains_key("CC") && !kept.contains_key("BCC"));
+        }
     }
 }

@@ -24,7 +24,7 @@ use crate::dead_letter;
 use crate::error::RunnerError;
 use crate::message::AmqpMessage;
 use crate::options::RunnerOptions;
-use crate::publish::{Publisher, republished};
+use crate::publish::{PublishError, Publisher, republished};
 use crate::stats::{RunnerStats, metric_names as m};
 use crate::topology::{QueueTopology, name};
 
@@ -611,6 +611,23 @@ where
         }
     }
 
+    /// Declares the topology again when `error` says a part of it is gone (deleted while the
+    /// runner runs) and the runner declares it; the failed publication is then tried again.
+    async fn redeclare_if_missing(&self, error: &PublishError) {
+        let topology = &self.common.topology;
+        if !topology.declare || !error.topology_missing() {
+            return;
+        }
+        match self.publisher.redeclare(topology).await {
+            Ok(()) => tracing::warn!(
+                dead_letter_exchange = %topology.dead_letter_exchange,
+                retry_queue = %topology.retry_queue,
+                "a part of the topology was gone: declared it again"
+            ),
+            Err(e) => tracing::error!(error = %e, "declaring the topology again failed"),
+        }
+    }
+
     /// Publishes a copy to the retry queue, expiring after `delay` (then the broker moves it back
     /// to the work queue), and acknowledges the delivery. When the publication fails, waits
     /// `delay` and gives the delivery back with `basic.nack` (requeue).
@@ -631,6 +648,7 @@ where
             Err(e) => {
                 RunnerStats::count(&common.stats.publish_failures, m::PUBLISH_FAILURES);
                 tracing::warn!(outcome, error = %e, retry_queue = %common.topology.retry_queue, "retry publication failed: requeueing after the delay instead");
+                self.redeclare_if_missing(&e).await;
                 tokio::select! {
                     biased;
                     () = self.lost.cancelled() => return self.abandoned(outcome),
@@ -658,8 +676,9 @@ where
             .execution
             .dead_letter_attempts(info, key_id.as_deref())
             .await;
-        let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
-        let properties = republished(msg, Some(headers), None, true);
+        let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), true);
+        let mut properties = republished(msg, Some(headers), None, true);
+        let mut originals_kept = true;
         let topology = &common.topology;
         loop {
             let published = self
@@ -686,9 +705,18 @@ where
                     );
                     return self.ack().await;
                 }
+                Err(e @ PublishError::TooLarge { .. }) if originals_kept => {
+                    tracing::warn!(error = %e, "the dead letter does not fit in a frame with the original headers: publishing it with the runner's headers only, naming the original ones");
+                    let headers =
+                        dead_letter::headers(msg, info, attempts, key_id.as_deref(), false);
+                    properties = republished(msg, Some(headers), None, true);
+                    originals_kept = false;
+                    continue;
+                }
                 Err(e) => {
                     RunnerStats::count(&common.stats.publish_failures, m::PUBLISH_FAILURES);
                     tracing::error!(error = %e, dead_letter_exchange = %topology.dead_letter_exchange, "dead-letter publication failed; trying again");
+                    self.redeclare_if_missing(&e).await;
                 }
             }
             tokio::select! {

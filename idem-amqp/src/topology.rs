@@ -60,8 +60,9 @@ pub struct QueueTopology {
     /// Whether the runner declares the queues, the exchange and the binding at every (re)connect
     /// (default `true`). A declaration is idempotent when the arguments are the same; an existing
     /// queue with other arguments (another type, no dead-letter arguments on the retry queue)
-    /// makes the broker refuse it (`PRECONDITION_FAILED`) and [`run`](crate::AmqpRunner::run)
-    /// fails with that error. Turn it off when the operator declares them (with the arguments of
+    /// makes the broker refuse it (`PRECONDITION_FAILED`): [`run`](crate::AmqpRunner::run) fails
+    /// with that error on its first connection; after a reconnect the refusal is logged and the
+    /// connection tried again with the reconnect delays. Turn it off when the operator declares them (with the arguments of
     /// the table above): the runner then only checks that the work queue exists.
     pub declare: bool,
     /// The retry queue (default `<queue>.retry`).

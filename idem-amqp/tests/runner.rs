@@ -427,3 +427,269 @@ async fn waiting_deliveries_run_in_groups() {
     );
     println!("store requests for 200 deliveries: {one_by_one} one by one, {grouped} in groups");
 }
+
+/// Keys far over the key limit are dead-lettered as `invalid_key` with the key header cut to
+/// `MAX_HEADER_TEXT` bytes, and the connection stays up. Whole, the copy beside the original
+/// header made the dead letter's header frame larger than the broker's frame size: the broker
+/// closed the connection, and the runner reconnected and failed again, forever. A key header
+/// that alone nearly fills a frame (128,000 bytes) leaves no room for the dead letter's own
+/// headers: that dead letter goes without the original headers and names them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_keys_are_dead_lettered_with_their_headers_cut_or_dropped() {
+    if !amqp_and_redis() {
+        return;
+    }
+    init_tracing();
+    let url = amqp_url();
+    let topology = topology("runner-long-key", QueueType::Classic);
+    declare(&url, &topology).await;
+    let (long, longest) = ("k".repeat(100_000), "j".repeat(128_000));
+    publish(
+        &url,
+        &topology.queue,
+        &[
+            Msg::keyed(&long, "{}"),
+            Msg::keyed(&longest, "{}"),
+            Msg::keyed("fine", "{}"),
+        ],
+    )
+    .await;
+
+    let store = shared(redis_store(&format!("{}:", unique("idem-amqp-long-key"))).await);
+    let handler = |_msg: AmqpMessage, _ctx: HandlerContext| async { Ok("done".to_owned()) };
+    let runner = AmqpRunner::builder(
+        &url,
+        topology.clone(),
+        executor(store, ExecutorConfig::new("amqp-long-key")),
+        handler,
+    )
+    .options(options())
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let done = run_until(runner, |s| s.executed() == 1 && s.dead_lettered() == 2).await;
+    assert!(done, "{stats:?}");
+    assert_eq!(stats.reconnects(), 0, "{stats:?}");
+
+    let dead = drain_queue(&url, &topology.dead_letter_queue).await;
+    assert_eq!(dead.len(), 2, "two dead letters");
+    for d in &dead {
+        assert_eq!(
+            d.header(idem_amqp::HEADER_REASON).as_deref(),
+            Some("invalid_key")
+        );
+        let key = d.header(idem_amqp::HEADER_KEY).unwrap();
+        assert!(
+            key.len() <= idem_executor::broker::MAX_HEADER_TEXT && key.ends_with('…'),
+            "the key header is cut: {} bytes",
+            key.len()
+        );
+    }
+    let kept = dead
+        .iter()
+        .find(|d| d.header(idem_amqp::HEADER_KEY).unwrap().starts_with('k'));
+    assert_eq!(
+        kept.unwrap().header("idempotency-key").map(|k| k.len()),
+        Some(long.len()),
+        "the original header is kept whole where it fits"
+    );
+    assert_eq!(kept.unwrap().header(idem_amqp::HEADER_DROPPED), None);
+    let dropped = dead
+        .iter()
+        .find(|d| d.header(idem_amqp::HEADER_KEY).unwrap().starts_with('j'));
+    assert_eq!(dropped.unwrap().header("idempotency-key"), None);
+    assert_eq!(
+        dropped
+            .unwrap()
+            .header(idem_amqp::HEADER_DROPPED)
+            .as_deref(),
+        Some("idempotency-key")
+    );
+    assert_eq!(queue_state(&url, &topology.queue).await, (0, 0));
+    cleanup(&url, &topology).await;
+}
+
+/// A message carrying `CC` (RabbitMQ's sender-selected distribution) is retried and
+/// dead-lettered without copies to the queue it names: the runner's republished copies drop
+/// `CC` and `BCC`. Before, every retry and dead letter sent one more copy there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_the_runner_publishes_are_not_routed_by_cc() {
+    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString};
+    if !amqp_and_redis() {
+        return;
+    }
+    init_tracing();
+    let url = amqp_url();
+    let topology = topology("runner-cc", QueueType::Classic);
+    declare(&url, &topology).await;
+    let audit = unique("audit");
+    let conn = connect(&url).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        audit.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let cc = AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::LongString(
+        LongString::from(audit.as_str()),
+    )]));
+    let mut msgs = vec![
+        Msg::keyed("flaky", r#"{"n":1}"#),
+        Msg::keyed("bad", r#"{"n":2}"#),
+    ];
+    for m in &mut msgs {
+        m.headers.push(("CC".into(), cc.clone()));
+    }
+    publish(&url, &topology.queue, &msgs).await;
+    assert_eq!(
+        queue_state(&url, &audit).await.0,
+        2,
+        "the originals' copies"
+    );
+
+    let store = shared(redis_store(&format!("{}:", unique("idem-amqp-cc"))).await);
+    let runs = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&runs);
+    let handler = move |_msg: AmqpMessage, ctx: HandlerContext| {
+        let seen = Arc::clone(&seen);
+        async move {
+            seen.fetch_add(1, Ordering::SeqCst);
+            match ctx.key().unwrap().id() {
+                "bad" => Err(HandlerError::terminal("malformed amount")),
+                _ if ctx.attempt() == 1 => Err(HandlerError::retryable("try again")),
+                _ => Ok(()),
+            }
+        }
+    };
+    let config = ExecutorConfig::new("amqp-cc")
+        .with_max_attempts(3)
+        .with_retry_delay(Duration::from_millis(50));
+    let runner = AmqpRunner::builder(&url, topology.clone(), executor(store, config), handler)
+        .options(options())
+        .build()
+        .expect("runner");
+    let stats = runner.stats();
+    let done = run_until(runner, |s| s.executed() == 1 && s.dead_lettered() == 1).await;
+    assert!(done, "{stats:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "flaky twice, bad once");
+    assert_eq!(
+        queue_state(&url, &audit).await.0,
+        2,
+        "no copy of a retry or a dead letter went to the queue named by CC"
+    );
+    let dead = drain_queue(&url, &topology.dead_letter_queue).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].header("CC"), None);
+    ch.queue_delete(audit.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let _ = conn.close(200, "bye".into()).await;
+    cleanup(&url, &topology).await;
+}
+
+/// The dead-letter exchange and queue deleted while the runner runs are declared again when a
+/// dead letter is refused for them: the dead letter lands. Before, the runner held the message,
+/// trying every second, until it reconnected for another reason. A deleted retry queue is
+/// declared again when a retry copy is returned as unroutable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_exchange_deleted_while_running_is_declared_again() {
+    use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+    if !amqp_and_redis() {
+        return;
+    }
+    init_tracing();
+    let url = amqp_url();
+    let topology = topology("runner-redeclare", QueueType::Classic);
+    declare(&url, &topology).await;
+    let store = shared(redis_store(&format!("{}:", unique("idem-amqp-redeclare"))).await);
+    let handler = |_msg: AmqpMessage, ctx: HandlerContext| async move {
+        match ctx.key().unwrap().id() {
+            "bad" => Err(HandlerError::terminal("malformed amount")),
+            "flaky" if ctx.attempt() == 1 => Err(HandlerError::retryable("try again")),
+            _ => Ok(()),
+        }
+    };
+    let config = ExecutorConfig::new("amqp-redeclare").with_retry_delay(Duration::from_millis(50));
+    let runner = AmqpRunner::builder(&url, topology.clone(), executor(store, config), handler)
+        .options(options())
+        .build()
+        .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    publish(&url, &topology.queue, &[Msg::keyed("fine", "{}")]).await;
+    let watched = Arc::clone(&stats);
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            let s = Arc::clone(&watched);
+            async move { s.executed() == 1 }
+        })
+        .await,
+        "{stats:?}"
+    );
+
+    let conn = connect(&url).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_delete(
+        topology.dead_letter_exchange.as_str().into(),
+        ExchangeDeleteOptions::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_delete(
+        topology.dead_letter_queue.as_str().into(),
+        QueueDeleteOptions::default(),
+    )
+    .await
+    .unwrap();
+    let _ = conn.close(200, "bye".into()).await;
+    publish(&url, &topology.queue, &[Msg::keyed("bad", "{}")]).await;
+    let watched = Arc::clone(&stats);
+    let landed = wait_for(Duration::from_secs(20), || {
+        let s = Arc::clone(&watched);
+        async move { s.dead_lettered() == 1 }
+    })
+    .await;
+
+    let conn = connect(&url).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_delete(
+        topology.retry_queue.as_str().into(),
+        QueueDeleteOptions::default(),
+    )
+    .await
+    .unwrap();
+    let _ = conn.close(200, "bye".into()).await;
+    publish(&url, &topology.queue, &[Msg::keyed("flaky", "{}")]).await;
+    let watched = Arc::clone(&stats);
+    let retried = wait_for(Duration::from_secs(20), || {
+        let s = Arc::clone(&watched);
+        async move { s.executed() == 2 }
+    })
+    .await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("drained in time")
+        .unwrap()
+        .expect("run");
+    assert!(landed && retried, "{stats:?}");
+    assert_eq!(stats.reconnects(), 0, "{stats:?}");
+    let conn = connect(&url).await;
+    let ch = conn.create_channel().await.unwrap();
+    assert!(
+        depth(&ch, &topology.retry_queue).await.is_some(),
+        "the retry queue was declared again"
+    );
+    let _ = conn.close(200, "bye".into()).await;
+    let dead = drain_queue(&url, &topology.dead_letter_queue).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].header(idem_amqp::HEADER_REASON).as_deref(),
+        Some("failed")
+    );
+    cleanup(&url, &topology).await;
+}

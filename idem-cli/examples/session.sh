@@ -7,6 +7,8 @@ cargo build -q -p idem-cli --bin idem --example seed
 export PATH="$PWD/target/debug:$PATH"
 export AWS_EC2_METADATA_DISABLED=true
 rm -f /tmp/idem-demo.db
+# A fresh demo schema, so that the session shows the migrations applied.
+psql -q -h 127.0.0.1 -U postgres test -c 'DROP SCHEMA IF EXISTS idem_ops CASCADE' >/dev/null 2>&1
 export AWS_ACCESS_KEY_ID=local AWS_SECRET_ACCESS_KEY=local
 for u in redis://127.0.0.1:6379 'postgres://postgres@127.0.0.1:5432/test?schema=idem_ops' 'dynamodb://idem-ops?endpoint=http://127.0.0.1:8000&region=us-east-1'; do
   idem --store "$u" delete payments order-1001 order-1002 order-1003 order-1004 order-1005 order-1006 order-1007 --yes >/dev/null 2>&1
@@ -43,14 +45,15 @@ show "idem release-stuck payments --older-than 1s --yes"
 show "idem delete payments order-1005 --yes"
 show "idem get payments order-1005; echo \"exit \$?\""
 show "idem list payments --limit 3"
-comment "The same questions on Redis, PostgreSQL and DynamoDB, whose native listings are still to come."
+comment "The same questions on Redis, PostgreSQL and DynamoDB, each with its own listing."
 show "idem --store redis://127.0.0.1:6379 get payments order-1003"
-show "idem --store redis://127.0.0.1:6379 list payments; echo \"exit \$?\""
+show "idem --store redis://127.0.0.1:6379 list payments --status failed_terminal,exhausted"
 show "idem --store 'postgres://postgres@127.0.0.1:5432/test?schema=idem_ops' get payments order-1001 --json"
 show "idem --store 'postgres://postgres@127.0.0.1:5432/test?schema=idem_ops' delete payments order-1001 --yes"
 show "idem --store 'postgres://postgres@127.0.0.1:5432/test?schema=idem_ops' purge"
 show "idem --store 'dynamodb://idem-ops?endpoint=http://127.0.0.1:8000&region=us-east-1' get payments order-1007"
-comment "When the store is not there, or not set up."
+comment "When the store is not there, not set up, or not what the URL says."
 show "idem --timeout 2s --store redis://127.0.0.1:6390 get payments order-1001; echo \"exit \$?\""
 show "idem --store 'postgres://postgres@127.0.0.1:5432/test?schema=idem_nowhere' get payments order-1001; echo \"exit \$?\""
 show "idem --store mysql://127.0.0.1/payments get payments order-1001; echo \"exit \$?\""
+show "idem --store redis://127.0.0.1:7001 list payments; echo \"exit \$?\""

@@ -328,7 +328,7 @@ fn report(ctx: &mut Ctx<'_>, done: &[(Record, Outcome)]) -> Result<(), Failure> 
             let status = Status::of(record, now, u32::MAX);
             let mut value = render::record_json(record, status);
             if let Value::Object(map) = &mut value {
-                map.remove("status");
+                map.shift_remove("status");
                 map.insert("outcome".into(), outcome.name().into());
             }
             ctx.line(&value)?;
@@ -665,6 +665,15 @@ pub(crate) async fn purge(ctx: &mut Ctx<'_>, batch: u64, max: Option<u64>) -> Re
         }
     };
     bar.finish_and_clear();
+    if let Err(e) = result {
+        // No success-shaped report for a failed run: only what it removed before failing.
+        if purged > 0 {
+            ctx.note(format!(
+                "purged {purged} expired records before the failure below"
+            ))?;
+        }
+        return Err(e);
+    }
     if ctx.json {
         ctx.line(&json!({"store": name, "purged": purged}))?;
     } else {
@@ -676,7 +685,7 @@ pub(crate) async fn purge(ctx: &mut Ctx<'_>, batch: u64, max: Option<u64>) -> Re
             ))?;
         }
     }
-    result
+    Ok(())
 }
 
 #[cfg(test)]

@@ -234,9 +234,15 @@ pub(crate) async fn set_up(opened: &Opened, timeout: Duration) -> Result<(String
         }
         Opened::Sqlite(store) => {
             let path = store.backend().path().display().to_string();
+            let created = store.backend().created_table();
+            let said = if created {
+                format!("sqlite: created table {} in {path}", idem_sqlite::TABLE)
+            } else {
+                format!("sqlite: table {} exists in {path}", idem_sqlite::TABLE)
+            };
             (
-                format!("sqlite: table {} ready in {path}", idem_sqlite::TABLE),
-                json!({"store": name, "path": path, "table": idem_sqlite::TABLE}),
+                said,
+                json!({"store": name, "path": path, "table": idem_sqlite::TABLE, "changed": created}),
             )
         }
     })

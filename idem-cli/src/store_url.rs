@@ -98,18 +98,23 @@ pub(crate) fn redact(text: &str) -> String {
     };
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, hosts)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
-            let hidden = if userinfo.contains(':') {
-                format!("{user}:***")
-            } else {
-                user.to_owned()
-            };
-            let tail = redact_query_password(tail);
-            format!("{scheme}://{hidden}@{hosts}{tail}")
-        }
-        None => format!("{scheme}://{authority}{}", redact_query_password(tail)),
+    if let Some((userinfo, hosts)) = authority.rsplit_once('@') {
+        let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+        let hidden = if userinfo.contains(':') {
+            format!("{user}:***")
+        } else {
+            user.to_owned()
+        };
+        return format!("{scheme}://{hidden}@{hosts}{}", redact_query_password(tail));
+    }
+    let tail = redact_query_password(tail);
+    // A password holding an unencoded `/`, `?` or `#` ends the authority early (such a URL is
+    // refused, and its message must not show the password either): when an `@` follows,
+    // everything before the last one is hidden. A URL whose path or query holds an `@` then
+    // shows less than it could, never a password.
+    match tail.rsplit_once('@') {
+        Some((_, after)) => format!("{scheme}://***@{after}"),
+        None => format!("{scheme}://{authority}{tail}"),
     }
 }
 
@@ -480,5 +485,30 @@ mod tests {
         );
         assert_eq!(redact("postgres://app@h/db"), "postgres://app@h/db");
         assert_eq!(redact("memory:"), "memory:");
+        // Unencoded `/`, `?`, `#` or `@` in a password.
+        for (url, shown) in [
+            (
+                "redis://u:hun/ter2@127.0.0.1:6379",
+                "redis://***@127.0.0.1:6379",
+            ),
+            ("redis://:a?b@h:1/0", "redis://***@h:1/0"),
+            ("postgres://u:a#b@h/db", "postgres://***@h/db"),
+            ("postgres://u:a@b@h/db", "postgres://u:***@h/db"),
+            (
+                "redis+cluster://u:x/y@h:1,h:2",
+                "redis+cluster://***@h:1,h:2",
+            ),
+            // An `@` in the query, with a password there too.
+            (
+                "postgres://h:5432/db?application_name=svc@prod&password=secret&table=",
+                "postgres://***@prod&password=***&table=",
+            ),
+            (
+                "postgres://h/db?password=p@ss&table=",
+                "postgres://h/db?password=***&table=",
+            ),
+        ] {
+            assert_eq!(redact(url), shown, "{url}");
+        }
     }
 }

@@ -240,7 +240,14 @@ fn a_missing_sqlite_file_is_not_created_by_reading_commands() {
         .args(["--store", &url, "migrate"])
         .assert()
         .success()
-        .stdout(contains("ready"));
+        .stdout(contains("created table idem_records"));
+    // Again: nothing to do, and the JSON says so.
+    let out = idem()
+        .args(["--store", &url, "migrate", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(json_lines(&out.stdout)[0]["changed"], false);
     idem()
         .args(["--store", &url, "get", "ns", "id"])
         .assert()
@@ -278,6 +285,28 @@ fn unreachable_stores_are_exit_code_3_and_one_line() {
         .unwrap();
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     one_line_error(&out.stderr);
+}
+
+/// A purge that fails reports no result on standard output (no `purged 0` before the error),
+/// DynamoDB's included, whose purge otherwise has nothing to remove.
+#[test]
+fn a_failed_purge_prints_no_result() {
+    for url in [
+        "postgres://postgres@127.0.0.1:1/test",
+        "dynamodb://idem?endpoint=http://127.0.0.1:1&region=us-east-1",
+    ] {
+        for json in [false, true] {
+            let mut cmd = idem();
+            cmd.args(["--timeout", "3s", "--store", url, "purge"]);
+            if json {
+                cmd.arg("--json");
+            }
+            let out = cmd.output().unwrap();
+            assert_eq!(out.status.code(), Some(3), "{url}: {out:?}");
+            assert!(out.stdout.is_empty(), "{url}: {out:?}");
+            one_line_error(&out.stderr);
+        }
+    }
 }
 
 /// A server that accepts connections and never says anything.

@@ -438,6 +438,23 @@ pub async fn c08_heartbeat_keeps_lease(h: &Harness) {
         lease.expires_at > first_expiry + ttl,
         "C08: the lease should now end well after its first expiry"
     );
+    // The store keeps what the heartbeats set.
+    let stored = get(h, &key).await.expect("C08: the record is there");
+    assert!(
+        stored
+            .lease_expires_at
+            .is_some_and(|at| at > first_expiry + ttl),
+        "C08: the store must keep the heartbeated expiry, got {:?}",
+        stored.lease_expires_at
+    );
+    // A last, long heartbeat: B's acquire below then meets the lease held however slow the
+    // server is (with a short one, a request slower than a lease would let it lapse), and still
+    // well past the first expiry.
+    lease = h
+        .store()
+        .extend(&lease, h.config().long_lease_ttl)
+        .await
+        .expect("C08: the last heartbeat");
     match acquire(h, &short_request(h, &key, B)).await {
         AcquireOutcome::InProgress { owner, .. } => assert_eq!(owner, A),
         other => panic!("C08: a heartbeated lease must stay held, got {other:?}"),
@@ -563,40 +580,103 @@ pub async fn c12_release_does_not_count(h: &Harness) {
     assert_eq!(c.attempt, 1, "C12: releases never exhaust a key");
 }
 
-/// C13: a record past retention is gone: the next acquire is fresh, with a token still higher
-/// than every earlier one.
+/// C13: a record past retention is gone, whatever it finished as (completed, failed retryable,
+/// failed terminal, result not stored): it reads absent, a re-sent finishing transition and an
+/// `extend` of its lease are refused as gone, `delete` finds nothing, and the next acquire is
+/// fresh (attempt 1, no takeover, no conflict even with another fingerprint) with a token still
+/// higher than every earlier one.
 pub async fn c13_retention_expiry(h: &Harness) {
     let ns = h.namespace();
     let retention = h.config().short_retention;
-    for (id, terminal) in [("retention-completed", false), ("retention-failed", true)] {
-        let key = h.key(&ns, id);
-        let (a, _) = acquired(h, &request(h, &key, A)).await;
-        if terminal {
-            h.store()
-                .fail(&a, "declined", FailureKind::Terminal, retention)
-                .await
-                .expect("fail");
-        } else {
-            h.store()
-                .complete(&a, Bytes::from_static(b"old"), retention)
-                .await
-                .expect("complete");
+    let kinds: [(&str, Option<FailureKind>); 4] = [
+        ("retention-completed", None),
+        ("retention-retryable", Some(FailureKind::Retryable)),
+        ("retention-terminal", Some(FailureKind::Terminal)),
+        ("retention-not-stored", Some(FailureKind::ResultNotStored)),
+    ];
+    // Each kind on two keys: one the finishing transitions and the acquire meet past retention,
+    // one `delete` meets first (a delete leaves nothing behind, so it would hide what an
+    // acquire finds).
+    let mut finished = Vec::new();
+    for (id, kind) in kinds {
+        for deleted in [false, true] {
+            let key = h.key(
+                &ns,
+                &format!("{id}-{}", if deleted { "deleted" } else { "kept" }),
+            );
+            let (a, _) = acquired(h, &request(h, &key, A)).await;
+            let finishing = Instant::now();
+            match kind {
+                None => h
+                    .store()
+                    .complete(&a, Bytes::from_static(b"old"), retention)
+                    .await
+                    .expect("complete"),
+                Some(kind) => h
+                    .store()
+                    .fail(&a, "declined", kind, retention)
+                    .await
+                    .expect("fail"),
+            }
+            // Kept until retention. (A read that comes back later than a retention after the
+            // finishing transition began may find the record gone: a slow server, not a bug.)
+            let read = get(h, &key).await;
+            assert!(
+                read.is_some()
+                    || (!h.config().time.is_manual() && finishing.elapsed() >= retention),
+                "C13: {id} kept until retention"
+            );
+            finished.push((id, kind, deleted, key, a));
         }
-        assert!(get(h, &key).await.is_some(), "C13: kept until retention");
-        h.config().time.pass(retention).await;
+    }
+    h.config().time.pass(retention).await;
+    for (id, kind, deleted, key, a) in finished {
         assert_eq!(
             get(h, &key).await,
             None,
             "C13: {id} past retention reads absent"
         );
-        let (b, takeover) = acquired(h, &request(h, &key, B)).await;
-        assert!(!takeover);
-        assert_eq!(b.attempt, 1, "C13: a fresh acquire after retention");
+        if deleted {
+            assert!(
+                !h.store().delete(&key).await.expect("delete"),
+                "C13: {id} past retention leaves nothing to delete"
+            );
+        } else {
+            let resent = match kind {
+                None => {
+                    h.store()
+                        .complete(&a, Bytes::from_static(b"old"), retention)
+                        .await
+                }
+                Some(kind) => h.store().fail(&a, "declined", kind, retention).await,
+            };
+            assert_lease_lost(
+                &format!("C13: {id} finishing again past retention"),
+                resent,
+                a.token,
+                None,
+            );
+            assert_lease_lost(
+                &format!("C13: {id} extend past retention"),
+                h.store().extend(&a, h.config().lease_ttl).await,
+                a.token,
+                None,
+            );
+        }
+        let other = request(h, &key, B).with_fingerprint(Fingerprint::of("another payload"));
+        let (b, takeover) = acquired(h, &other).await;
+        assert!(!takeover, "C13: {id} a fresh acquire is no takeover");
+        assert_eq!(b.attempt, 1, "C13: {id} a fresh acquire after retention");
         assert!(
             b.token > a.token,
-            "C13: tokens stay increasing after expiry ({} then {})",
+            "C13: {id} tokens stay increasing after expiry ({} then {})",
             a.token,
             b.token
+        );
+        assert_eq!(
+            must_get(h, &key).await.fingerprint,
+            Some(Fingerprint::of("another payload")),
+            "C13: {id} the fresh record carries the new fingerprint"
         );
     }
 }
@@ -1897,7 +1977,7 @@ pub async fn c26_listing(h: &Harness) {
     // A listing may visit every record of the server (a Redis SCAN, a DynamoDB Scan): where the
     // server holds many records of others, one can outlast the default gap between the two
     // groups below and age the young ones. The gap is at least three such visits.
-    let visit = std::time::Instant::now();
+    let visit = Instant::now();
     list_all(h, ListQuery::new(ns.clone())).await;
     let aged = h
         .config()
@@ -1917,6 +1997,7 @@ pub async fn c26_listing(h: &Harness) {
         .complete(&l, Bytes::from_static(b"gone"), h.config().short_retention)
         .await
         .expect("C26: complete");
+    let old_done = Instant::now();
     h.config().time.pass(aged).await;
 
     acquired(h, &request(h, &key("in-progress"), A)).await;
@@ -1941,13 +2022,21 @@ pub async fn c26_listing(h: &Harness) {
     let (l, _) = acquired(h, &request(h, &h.key(&other, "elsewhere"), A)).await;
     complete(h, &l, "other namespace").await;
 
-    // Age first, while the new records are young: only the records unchanged for `aged`. (A
-    // slow listing ages them; the gap between the two groups is three listings or more.)
-    let old = list_all(h, ListQuery::new(ns.clone()).with_min_age(aged)).await;
+    // Age first, while the new records are young: only the records unchanged for as long as the
+    // old ones have been. On a real clock that is measured now, so it holds however long the
+    // young records took to write (a loaded server takes seconds); a young record ages only by
+    // the listing itself, and the gap between the two groups is three listings or more. (Less
+    // a few milliseconds, for stores that keep whole milliseconds.)
+    let min_age = if h.config().time.is_manual() {
+        aged
+    } else {
+        old_done.elapsed().saturating_sub(Duration::from_millis(5))
+    };
+    let old = list_all(h, ListQuery::new(ns.clone()).with_min_age(min_age)).await;
     assert_eq!(
         ids(&old),
         ["exhausted".to_owned(), "lease-expired".to_owned()].into(),
-        "C26: only the records unchanged for {aged:?}"
+        "C26: only the records unchanged for {min_age:?}"
     );
 
     let expected = [

@@ -17,7 +17,7 @@ use idem_core::machine::{self, AcquireDecision, Finish};
 use idem_core::{
     AcquireOutcome, AcquireRequest, Clock, Cursor, DynStore, FailureKind, FencingToken,
     IdempotencyKey, IdempotencyStore, Lease, ListQuery, ManualClock, MemoryStore, Page, Record,
-    RecordState, Result, SystemClock, TransactionalStore,
+    RecordState, Result, StateKind, SystemClock, TransactionalStore,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +42,9 @@ enum Bug {
     ReplacesNul,
     /// Characters outside the Basic Multilingual Plane become U+FFFD (a 3-byte UTF-8 column).
     DropsAstralCharacters,
+    /// A retryable failure outlives its retention at acquire: the next acquire counts on from
+    /// its attempts instead of starting fresh (`get` still reads it absent).
+    RetryableOutlivesRetention,
     /// `acquire_many` takes over keys whose lease is live (it judges leases on a stale clock).
     BatchSkipsBusyCheck,
     /// `acquire_many` decides every key first and writes afterwards: racing batches both win.
@@ -57,6 +60,9 @@ enum Bug {
     /// After a refused transition the store reads the record back to tell a replay from a stale
     /// call: a second round trip.
     ReadsAfterRefusal,
+    /// `extend` answers the longer lease but does not store it: the record keeps its first
+    /// expiry.
+    ExtendNotStored,
 }
 
 #[derive(Debug)]
@@ -98,6 +104,12 @@ impl FlawedStore {
             && let Some(r) = existing.as_mut()
         {
             r.fingerprint = None;
+        }
+        if self.bug == Bug::RetryableOutlivesRetention
+            && let Some(r) = existing.as_mut()
+            && r.state.kind() == StateKind::Failed(FailureKind::Retryable)
+        {
+            r.expires_at = None;
         }
         let next = || FencingToken::new(self.tokens.fetch_add(1, Ordering::SeqCst) + 1);
         let decision = machine::acquire(existing.as_ref(), req, now, next);
@@ -185,6 +197,9 @@ impl IdempotencyStore for FlawedStore {
         idem_core::check_lease_ttl(ttl)?;
         self.request();
         let now = self.clock.now();
+        if self.bug == Bug::ExtendNotStored {
+            return self.fenced(lease, |r| machine::extend(&mut r.clone(), lease, ttl, now));
+        }
         self.fenced(lease, |r| machine::extend(r, lease, ttl, now))
     }
 
@@ -328,7 +343,9 @@ impl IdempotencyStore for FlawedStore {
 
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool> {
         self.request();
-        Ok(self.records.lock().unwrap().remove(key).is_some())
+        let now = self.clock.now();
+        let removed = self.records.lock().unwrap().remove(key);
+        Ok(removed.is_some_and(|r| !r.is_expired(now)))
     }
 
     async fn purge_expired(&self, _limit: usize) -> Result<u64> {
@@ -539,6 +556,15 @@ async fn altered_error_texts_are_caught() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retryable_failure_outliving_its_retention_is_caught() {
+    check(
+        Bug::RetryableOutlivesRetention,
+        &[scenario!(c13_retention_expiry)],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batches_unlike_singles_are_caught() {
     check(
         Bug::BatchSkipsBusyCheck,
@@ -552,6 +578,15 @@ async fn batches_unlike_singles_are_caught() {
 async fn broken_listings_are_caught() {
     check(Bug::ListIgnoresNamespace, &[scenario!(c26_listing)]).await;
     check(Bug::ListDropsCursor, &[scenario!(c26_listing)]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_heartbeat_the_store_does_not_keep_is_caught() {
+    check(
+        Bug::ExtendNotStored,
+        &[scenario!(c08_heartbeat_keeps_lease)],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -181,7 +181,8 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
     /// Operator read of the whole record; `None` when absent or past retention.
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>>;
 
-    /// Operator delete; returns whether a record was there. Tokens stay monotonic afterwards.
+    /// Operator delete; returns whether a record was there (one past retention counts as absent,
+    /// as for [`get`](Self::get)). Tokens stay monotonic afterwards.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool>;
 
     /// Operator listing: one page of the records of a namespace that match the query's status,

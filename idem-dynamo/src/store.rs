@@ -642,9 +642,17 @@ impl IdempotencyStore for DynamoStore {
         Ok(!expired)
     }
 
-    /// A no-op: the table's TTL attribute (`ttl`) lets DynamoDB delete items past retention, and
-    /// every operation already treats them as absent until then.
+    /// Removes nothing: the table's TTL attribute (`ttl`) lets DynamoDB delete items past
+    /// retention, and every operation already treats them as absent until then. It still asks
+    /// for the table (one `DescribeTable`), so that a purge against a missing table or an
+    /// endpoint that does not answer fails as any other operation would instead of answering 0.
     async fn purge_expired(&self, _limit: usize) -> Result<u64> {
+        self.client()
+            .describe_table()
+            .table_name(self.table())
+            .send()
+            .await
+            .map_err(|e| self.sdk_error("DescribeTable", e))?;
         Ok(0)
     }
 }

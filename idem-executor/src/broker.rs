@@ -44,16 +44,42 @@ use idem_core::DynStore;
 /// [`DeadLetterReason`] code.
 pub const HEADER_REASON: &str = "idem-dlq-reason";
 /// Dead-letter header with the error text: the last recorded error, or what was wrong with the
-/// message.
+/// message (as [`header_text`] writes it).
 pub const HEADER_ERROR: &str = "idem-dlq-error";
 /// Dead-letter header with the number of attempts the store counted for the key (decimal; `0`
 /// when the handler never ran for this payload, as for a conflict or an unreadable message;
 /// [`ATTEMPTS_UNKNOWN`] when the store could not be read).
 pub const HEADER_ATTEMPTS: &str = "idem-dlq-attempts";
-/// Dead-letter header with the idempotency key id, when the message had a readable one.
+/// Dead-letter header with the idempotency key id, when the message had a readable one (as
+/// [`header_text`] writes it: a key over the key limit is cut).
 pub const HEADER_KEY: &str = "idem-dlq-key";
 /// The value of [`HEADER_ATTEMPTS`] when the store could not be read.
 pub const ATTEMPTS_UNKNOWN: &str = "unknown";
+/// The longest text a runner writes into [`HEADER_ERROR`] or [`HEADER_KEY`], in bytes
+/// ([`header_text`]; before a broker's own escaping, such as NATS's of line breaks).
+pub const MAX_HEADER_TEXT: usize = 4096;
+
+/// `text` as a runner writes it into [`HEADER_ERROR`] or [`HEADER_KEY`]: a NUL written as `\0`,
+/// and a text longer than [`MAX_HEADER_TEXT`] bytes cut on a character boundary, ending with `…`.
+///
+/// A key that is over the key limit (and dead-lettered as
+/// [`invalid_key`](DeadLetterReason::InvalidKey) for it) or a long error text would otherwise go
+/// whole into the dead letter's headers, where a broker may refuse it (a header larger than
+/// RabbitMQ's frame size, a message over NATS's or Kafka's size limit): then the dead letter is
+/// never published and the message comes back again and again. A valid key (at most 512 bytes,
+/// no NUL) is written as it is.
+///
+/// ```
+/// use idem_executor::broker::{MAX_HEADER_TEXT, header_text};
+///
+/// assert_eq!(header_text("tx-1"), "tx-1");
+/// let long = "k".repeat(100_000);
+/// let cut = header_text(&long);
+/// assert!(cut.len() <= MAX_HEADER_TEXT && cut.ends_with('…'));
+/// ```
+pub fn header_text(text: &str) -> std::borrow::Cow<'_, str> {
+    idem_core::fit_text(text, MAX_HEADER_TEXT)
+}
 
 /// The value of [`HEADER_ATTEMPTS`]: the count in decimal, or [`ATTEMPTS_UNKNOWN`].
 pub fn attempts_value(attempts: Option<u32>) -> String {
@@ -181,8 +207,10 @@ pub fn check_nonzero<'a>(
 /// The timeouts of a lost delivery.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LostTimeouts {
-    /// How long a started handler may go on after the loss (signalled through its cancellation
-    /// token half-way); then the call is dropped and its lease left to expire.
+    /// Twice how long a started handler may go on after the loss: half-way its cancellation
+    /// token is cancelled, which the executor reads as a lost lease (the handler is dropped
+    /// unless it returns in that same poll, nothing recorded, its lease left to expire); an
+    /// executor call that still has not ended at 90% of it is dropped.
     pub orphan: Duration,
     /// Longest wait for the release of a lease whose handler had not started.
     pub release: Duration,
@@ -213,7 +241,9 @@ impl LostTimeouts {
 
 /// Runs a handler's call for a delivery that was not lost when it was called. Lost while it
 /// runs: it is let finish for half the orphan timeout, then signalled through `cancel` (its
-/// context's cancellation token, taken before the call), and awaited. Its lease is never released.
+/// context's cancellation token, taken before the call). The executor watching the handler
+/// reads that token as a lost lease: it drops the handler then, unless it returns in that same
+/// poll, and records nothing. Its lease is never released.
 async fn watch_handler<T>(
     call: impl Future<Output = Result<T, HandlerError>>,
     cancel: CancellationToken,
@@ -328,10 +358,11 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
     ///   call abandoned, so the redelivery acquires the key at once;
     /// - lost while the handler runs: it is let finish for half the orphan timeout (its result is
     ///   recorded, and the redelivery replays it), then signalled through
-    ///   [`HandlerContext::cancellation_token`](crate::HandlerContext::cancellation_token);
-    ///   the lease is **never** released once the handler started: if the call still has to be
-    ///   dropped (at 90% of the orphan timeout), the lease expires and the next owner sees a
-    ///   takeover.
+    ///   [`HandlerContext::cancellation_token`](crate::HandlerContext::cancellation_token),
+    ///   which the executor reads as a lost lease: it drops the handler then (unless it returns
+    ///   in that same poll) and records nothing. The lease is **never** released once the
+    ///   handler started: it expires and the next owner sees a takeover. (Should the executor
+    ///   call itself not end, a store call hanging, it is dropped at 90% of the orphan timeout.)
     pub async fn try_once<M, T>(
         &self,
         msg: &M,

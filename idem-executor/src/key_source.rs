@@ -142,9 +142,14 @@ impl KeySource {
         json: &PayloadJson<'_>,
     ) -> Result<Option<String>, ExecutorError> {
         let id = match &self.kind {
-            Kind::Header(name) => match msg.header(name) {
-                Some(bytes) => Some(utf8(bytes, || format!("header {name:?}"))?),
-                None => None,
+            Kind::Header(name) => match msg.key_header(name) {
+                Ok(Some(bytes)) => Some(utf8(&bytes, || format!("header {name:?}"))?),
+                Ok(None) => None,
+                Err(what) => {
+                    return Err(ExecutorError::invalid_message(format!(
+                        "the key header {name:?} is {what}"
+                    )));
+                }
             },
             Kind::MessageKey => match msg.message_key() {
                 Some(bytes) => Some(utf8(bytes, || "message key".to_owned())?),

@@ -1,5 +1,7 @@
 //! The message abstraction the executor reads keys and fingerprints from.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 
 /// What the executor needs from a broker message: its payload and its headers.
@@ -19,6 +21,21 @@ pub trait Message {
     /// Kafka, AMQP, SQS message attributes and NATS; see [`KeySource`](crate::KeySource).
     fn header(&self, name: &str) -> Option<&[u8]>;
 
+    /// The header `name` as a [`KeySource::header`](crate::KeySource::header) reads it for
+    /// the idempotency key: `Ok(None)` when the message has no such header, `Err(what)` when it
+    /// has one of a type no key can be read from (`what` says which, for the dead letter).
+    /// Defaults to [`header`](Self::header). Brokers whose header values are typed override it,
+    /// so that a key sent as another type is never taken for a missing one (which
+    /// [`MissingKeyPolicy::PassThrough`](crate::MissingKeyPolicy::PassThrough) would run
+    /// without deduplication): AMQP reads integers as their decimal text and refuses booleans,
+    /// floats, tables and the like.
+    ///
+    /// # Errors
+    /// What the header's type is, when no key can be read from it.
+    fn key_header(&self, name: &str) -> Result<Option<Cow<'_, [u8]>>, String> {
+        Ok(self.header(name).map(Cow::Borrowed))
+    }
+
     /// The broker's own message key, when it has one (a Kafka record key, an AMQP
     /// `message_id`, an SQS deduplication id). Read by [`KeySource::message_key`](crate::KeySource::message_key).
     /// `None` by default.
@@ -33,6 +50,9 @@ impl<M: Message + ?Sized> Message for &M {
     }
     fn header(&self, name: &str) -> Option<&[u8]> {
         (**self).header(name)
+    }
+    fn key_header(&self, name: &str) -> Result<Option<Cow<'_, [u8]>>, String> {
+        (**self).key_header(name)
     }
     fn message_key(&self) -> Option<&[u8]> {
         (**self).message_key()

@@ -188,9 +188,9 @@ impl Shared {
     }
 
     /// Stops the workers of revoked partitions: a record whose handler had not started yet has
-    /// its lease released; a running handler gets the revoke timeout to finish (signalled through
-    /// its context's cancellation token half-way) and is otherwise dropped with its lease left to
-    /// expire. Then what they resolved is committed synchronously, all before the partitions can
+    /// its lease released; a running handler gets half the revoke timeout to finish, then its
+    /// context's cancellation token is cancelled and the executor drops it unless it returns in
+    /// that same poll, its lease left to expire. Then what they resolved is committed synchronously, all before the partitions can
     /// be assigned elsewhere.
     fn revoke(&self, consumer: &BaseConsumer<RunnerContext>, tpl: &TopicPartitionList) {
         let removed: Vec<(String, i32, Slot)> = {

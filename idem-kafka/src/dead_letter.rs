@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 pub use idem_executor::DeadLetterReason;
-use idem_executor::broker::{DeadLetterInfo, attempts_value};
+use idem_executor::broker::{DeadLetterInfo, attempts_value, header_text};
 pub use idem_executor::broker::{HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_REASON};
-use rdkafka::message::{Header, Headers, OwnedHeaders};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Timestamp};
 
@@ -57,34 +57,39 @@ impl DeadLetterTopic {
     }
 }
 
-/// The original headers followed by the dead-letter headers.
+/// The original headers (when `originals`; else [`HEADER_DROPPED`] names them) followed by the
+/// dead-letter headers.
 pub(crate) fn headers(
     msg: &KafkaMessage,
     info: &DeadLetterInfo,
     attempts: Option<u32>,
     key_id: Option<&str>,
+    originals: bool,
 ) -> OwnedHeaders {
-    let original = msg.headers().map_or(0, Headers::count);
-    let mut headers = OwnedHeaders::new_with_capacity(original + 7);
-    if let Some(orig) = msg.headers() {
-        for h in orig.iter() {
-            headers = headers.insert(Header {
-                key: h.key,
-                value: h.value,
-            });
-        }
-    }
+    // A copy made by librdkafka, not by reading them: rdkafka panics reading a header name that
+    // is not UTF-8, which any producer may send.
+    let mut headers = match msg.headers() {
+        Some(original) if originals => original.clone(),
+        _ => OwnedHeaders::new_with_capacity(8),
+    };
+    let dropped = (!originals)
+        .then(|| msg.header_names())
+        .filter(|names| !names.is_empty())
+        .map(|names| header_text(&names.join(",")).into_owned());
     let attempts = attempts_value(attempts);
     let partition = msg.partition().to_string();
     let offset = msg.offset().to_string();
-    let ours: [(&str, Option<&str>); 7] = [
+    let error = header_text(&info.error);
+    let key_id = key_id.map(header_text);
+    let ours: [(&str, Option<&str>); 8] = [
         (HEADER_REASON, Some(info.reason.as_str())),
-        (HEADER_ERROR, Some(info.error.as_str())),
+        (HEADER_ERROR, Some(&error)),
         (HEADER_ATTEMPTS, Some(attempts.as_str())),
-        (HEADER_KEY, key_id),
+        (HEADER_KEY, key_id.as_deref()),
         (HEADER_SOURCE_TOPIC, Some(msg.topic())),
         (HEADER_SOURCE_PARTITION, Some(partition.as_str())),
         (HEADER_SOURCE_OFFSET, Some(offset.as_str())),
+        (HEADER_DROPPED, dropped.as_deref()),
     ];
     for (key, value) in ours {
         if let Some(value) = value {
@@ -96,6 +101,15 @@ pub(crate) fn headers(
     }
     headers
 }
+
+/// Header naming (comma-separated, cut as [`HEADER_ERROR`] is) the original headers a dead
+/// letter goes without (a name that is not UTF-8 as `<not UTF-8>`): present only when, with
+/// them, the record was refused as too large.
+pub const HEADER_DROPPED: &str = "idem-dlq-dropped-headers";
+
+/// librdkafka's largest `message.max.bytes`: what the dead-letter producer is given unless its
+/// configuration sets one.
+const MAX_MESSAGE_BYTES: u32 = 1_000_000_000;
 
 /// Produces dead-letter records and waits for the broker to acknowledge them.
 pub(crate) struct DeadLetterProducer {
@@ -117,6 +131,12 @@ impl DeadLetterProducer {
             "message.timeout.ms",
             timeout.as_millis().clamp(1, i32::MAX as u128).to_string(),
         );
+        // The record was read, so the source topic took it; librdkafka's default limit
+        // (1,000,000 bytes, checked before sending, headers included) would refuse a larger
+        // one every time and stall its partition. Unless set, the broker's limit decides.
+        if config.get("message.max.bytes").is_none() {
+            config.set("message.max.bytes", MAX_MESSAGE_BYTES.to_string());
+        }
         let producer = config.create().map_err(|source| RunnerError::Kafka {
             context: "creating the dead-letter producer",
             source,
@@ -161,7 +181,7 @@ impl DeadLetterProducer {
 mod tests {
     use idem_executor::broker::classify;
     use idem_executor::{BrokerAction, ExecutorError, Outcome};
-    use rdkafka::message::OwnedMessage;
+    use rdkafka::message::{Headers, OwnedMessage};
 
     use super::*;
 
@@ -277,7 +297,7 @@ mod tests {
             error: "boom".into(),
             attempts: Some(3),
         };
-        let h = headers(&msg, &info, Some(3), Some("tx-1"));
+        let h = headers(&msg, &info, Some(3), Some("tx-1"), true);
         let got: Vec<(String, String)> = h
             .iter()
             .map(|h| {
@@ -309,5 +329,33 @@ mod tests {
             DeadLetterTopic::Fixed("dlq".into()).for_source("payments"),
             "dlq"
         );
+    }
+
+    #[test]
+    fn a_long_error_and_key_are_cut() {
+        let msg = KafkaMessage::new(OwnedMessage::new(
+            Some(b"v".to_vec()),
+            None,
+            "payments".into(),
+            Timestamp::NotAvailable,
+            0,
+            7,
+            None,
+        ));
+        let info = DeadLetterInfo {
+            reason: DeadLetterReason::InvalidKey,
+            error: "e".repeat(100_000),
+            attempts: Some(0),
+        };
+        let h = headers(&msg, &info, Some(0), Some(&"k".repeat(100_000)), true);
+        for name in [HEADER_ERROR, HEADER_KEY] {
+            let value = h.iter().find(|h| h.key == name).unwrap().value.unwrap();
+            let value = std::str::from_utf8(value).unwrap();
+            assert!(
+                value.len() <= idem_executor::broker::MAX_HEADER_TEXT && value.ends_with('…'),
+                "{name}: {} bytes",
+                value.len()
+            );
+        }
     }
 }

@@ -1,4 +1,6 @@
 #![doc = include_str!("../README.md")]
+// The crate's lints deny unsafe code (one test helper calls librdkafka); the library forbids it.
+#![forbid(unsafe_code)]
 
 mod context;
 mod dead_letter;
@@ -11,8 +13,8 @@ mod stats;
 mod worker;
 
 pub use dead_letter::{
-    DeadLetterReason, DeadLetterTopic, HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_REASON,
-    HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION, HEADER_SOURCE_TOPIC,
+    DeadLetterReason, DeadLetterTopic, HEADER_ATTEMPTS, HEADER_DROPPED, HEADER_ERROR, HEADER_KEY,
+    HEADER_REASON, HEADER_SOURCE_OFFSET, HEADER_SOURCE_PARTITION, HEADER_SOURCE_TOPIC,
 };
 pub use error::RunnerError;
 pub use idem_executor::Handler;

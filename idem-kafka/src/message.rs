@@ -1,6 +1,7 @@
 //! The Kafka record handed to handlers, readable by the executor's key sources.
 
 use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use rdkafka::Timestamp;
@@ -15,17 +16,39 @@ use rdkafka::message::{Headers, Message as _, OwnedHeaders, OwnedMessage};
 /// absent), [`KeySource::message_key`](idem_executor::KeySource::message_key) reads the record
 /// key, and [`KeySource::from_fn`](idem_executor::KeySource::from_fn) sees the payload, headers
 /// and key. A record without a value (a tombstone) has an empty payload.
+///
+/// # Header names that are not UTF-8
+///
+/// Kafka header names are bytes on the wire, and any producer may send one that is not UTF-8.
+/// rdkafka reads names as text and panics on such a name (in `Headers::iter`, `try_get`,
+/// `get`). A `KafkaMessage` finds such headers once, when it is made, and
+/// [`header`](Self::header) (so every key source) passes over them: a name that is not UTF-8
+/// is never the name asked for. Code that walks [`headers`](Self::headers) itself must check
+/// [`headers_readable`](Self::headers_readable) first. Finding them runs the process's panic
+/// hook once per such header (the default hook prints a "panicked" line on standard error; a
+/// hook that reports or exits does so); the dead letter copies the headers without reading them.
 #[derive(Clone)]
 pub struct KafkaMessage {
     inner: Arc<OwnedMessage>,
+    /// The indexes of the headers whose names rdkafka cannot read (empty, not allocated, when
+    /// every name is UTF-8).
+    unreadable: Box<[usize]>,
 }
 
 impl KafkaMessage {
     /// Wraps an owned record (the runner detaches every polled record into one).
     pub fn new(message: OwnedMessage) -> Self {
+        let unreadable = message.headers().map_or_else(Box::default, unreadable);
         Self {
             inner: Arc::new(message),
+            unreadable,
         }
+    }
+
+    /// Whether every header name is UTF-8, so that walking [`headers`](Self::headers) does not
+    /// panic (see [the type's docs](Self#header-names-that-are-not-utf-8)).
+    pub fn headers_readable(&self) -> bool {
+        self.unreadable.is_empty()
     }
 
     /// The topic the record was read from.
@@ -58,19 +81,37 @@ impl KafkaMessage {
         self.inner.payload().unwrap_or(&[])
     }
 
-    /// The record headers, if any.
+    /// The record headers, if any. Walking them panics in rdkafka when a name is not UTF-8:
+    /// check [`headers_readable`](Self::headers_readable) first.
     pub fn headers(&self) -> Option<&OwnedHeaders> {
         self.inner.headers()
     }
 
     /// The value of the first header called `name` (compared exactly); `None` when there is no
-    /// such header or its value is null.
+    /// such header or its value is null. Headers whose names are not UTF-8 are passed over.
     pub fn header(&self, name: &str) -> Option<&[u8]> {
-        self.inner
-            .headers()?
-            .iter()
+        let headers = self.inner.headers()?;
+        (0..headers.count())
+            .filter(|i| !self.unreadable.contains(i))
+            .filter_map(|i| headers.try_get(i))
             .find(|h| h.key == name)
             .and_then(|h| h.value)
+    }
+
+    /// The header names in order, a name that is not UTF-8 as `<not UTF-8>`.
+    pub(crate) fn header_names(&self) -> Vec<&str> {
+        let Some(headers) = self.inner.headers() else {
+            return Vec::new();
+        };
+        (0..headers.count())
+            .map(|i| {
+                if self.unreadable.contains(&i) {
+                    "<not UTF-8>"
+                } else {
+                    headers.try_get(i).map_or("", |h| h.key)
+                }
+            })
+            .collect()
     }
 
     /// The record timestamp.
@@ -82,6 +123,14 @@ impl KafkaMessage {
     pub fn as_owned(&self) -> &OwnedMessage {
         &self.inner
     }
+}
+
+/// The indexes of the headers whose names rdkafka cannot read: it panics on a name that is not
+/// UTF-8.
+fn unreadable(headers: &OwnedHeaders) -> Box<[usize]> {
+    (0..headers.count())
+        .filter(|&i| catch_unwind(AssertUnwindSafe(|| headers.try_get(i))).is_err())
+        .collect()
 }
 
 impl fmt::Debug for KafkaMessage {

@@ -78,13 +78,14 @@ pub struct RunnerOptions {
     pub dead_letter_timeout: Duration,
     /// Longest wait of a revocation for the revoked partitions' in-flight records to release their
     /// leases or finish (default 10 s). The group's rebalance waits that long at most. A handler
-    /// still running is signalled through its context's cancellation token after half of it, and
-    /// dropped (its lease left to expire, never released) near its end.
+    /// still running is signalled through its context's cancellation token after half of it,
+    /// which the executor reads as a lost lease: it drops the handler unless it returns in that
+    /// same poll, records nothing, and the lease is left to expire (never released).
     pub revoke_timeout: Duration,
     /// Longest wait for one lease release on revocation (default 5 s; must be below
-    /// [`revoke_timeout`](Self::revoke_timeout)); a release that fails leaves the key to expire
-    /// (and counts an attempt at the takeover). Only leases whose handler had not started yet are
-    /// released.
+    /// [`revoke_timeout`](Self::revoke_timeout)). Only leases whose handler had not started yet are
+    /// released; when that release fails, the record's batch records a retryable failure for it
+    /// instead (one attempt counted, the key free at once).
     pub release_timeout: Duration,
     /// Longest wait at shutdown for in-flight records to finish (default 30 s); the ones still
     /// running then are revoked as on a rebalance (signalled, then dropped with their leases left

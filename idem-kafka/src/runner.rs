@@ -244,7 +244,10 @@ where
 
     /// The configuration of the dead-letter producer. By default it is made of the consumer
     /// configuration's connection and security properties (`bootstrap.servers`,
-    /// `security.protocol`, `ssl.*`, `sasl.*`, ...).
+    /// `security.protocol`, `ssl.*`, `sasl.*`, ...). Unless it sets `message.max.bytes`, that
+    /// is raised to librdkafka's maximum (1,000,000,000), so that the broker's limit for the
+    /// dead-letter topic decides: librdkafka's default (1,000,000 bytes, headers included)
+    /// would refuse every time a record the source topic took, and stall its partition.
     pub fn producer_config(mut self, config: ClientConfig) -> Self {
         self.producer_config = Some(config);
         self

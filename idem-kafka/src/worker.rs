@@ -13,6 +13,8 @@ use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use futures::future::MaybeDone;
 
 use idem_executor::{BrokerAction, Codec, Handler, Outcome, Plain, Recorder};
+use rdkafka::message::Headers as _;
+use rdkafka::types::RDKafkaErrorCode;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -467,11 +469,25 @@ where
             .execution
             .dead_letter_attempts(info, key_id.as_deref())
             .await;
-        let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
+        let send = async {
+            let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), true);
+            match common.dead_letter.send(msg, headers).await {
+                Err(e)
+                    if e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge)
+                        && msg.headers().is_some_and(|h| h.count() > 0) =>
+                {
+                    tracing::warn!(error = %e, "the dead letter is too large with the original headers: writing it with the runner's only, naming the others");
+                    let headers =
+                        dead_letter::headers(msg, info, attempts, key_id.as_deref(), false);
+                    common.dead_letter.send(msg, headers).await
+                }
+                sent => sent,
+            }
+        };
         let sent = tokio::select! {
             biased;
             () = self.revoke.cancelled() => return Err(()),
-            sent = common.dead_letter.send(msg, headers) => sent,
+            sent = send => sent,
         };
         match sent {
             Ok(topic) => {

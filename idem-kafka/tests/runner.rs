@@ -1202,3 +1202,228 @@ async fn a_batch_run_ahead_of_an_unresolved_record_is_not_committed_past_it() {
     assert_eq!((stats.executed(), stats.replayed()), (1, 9), "{stats:?}");
     assert_eq!(committed(&group, &topic, 1), ends);
 }
+
+/// A header name that is not UTF-8 (rdkafka panics when it reads one) is passed over: the key
+/// header after it is read, and a record with no other header has no key.
+#[test]
+fn a_header_name_that_is_not_utf8_is_passed_over_not_a_panic() {
+    use idem_kafka::rdkafka::Timestamp;
+    use idem_kafka::rdkafka::message::{OwnedHeaders, OwnedMessage};
+    let record = |headers| {
+        KafkaMessage::new(OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "payments".into(),
+            Timestamp::NotAvailable,
+            0,
+            5,
+            Some(headers),
+        ))
+    };
+    let keyed = record(headers_with_a_name_that_is_not_utf8(Some("tx-1")));
+    assert!(!keyed.headers_readable());
+    assert_eq!(keyed.header("idempotency-key"), Some(&b"tx-1"[..]));
+    assert_eq!(
+        KeySource::default().extract(&keyed).unwrap().as_deref(),
+        Some("tx-1")
+    );
+    let keyless = record(headers_with_a_name_that_is_not_utf8(None));
+    assert_eq!(keyless.header("idempotency-key"), None);
+    assert_eq!(KeySource::default().extract(&keyless).unwrap(), None);
+    assert!(record(OwnedHeaders::new()).headers_readable());
+}
+
+/// Records with a header name that is not UTF-8 run (their key header is read past it) or are
+/// dead-lettered with their headers as they came, and the partition goes on. Before, looking
+/// for the key header panicked in rdkafka and the runner stopped with a dead worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_with_a_header_name_that_is_not_utf8_run_or_dead_letter_and_the_partition_goes_on()
+{
+    use idem_kafka::rdkafka::message::{Headers as _, Message as _};
+    use idem_kafka::rdkafka::producer::FutureRecord;
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("bad-header");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
+    let producer = producer();
+    for key in [Some("keyed"), None] {
+        let record = FutureRecord::<str, str>::to(&topic)
+            .partition(0)
+            .key(key.unwrap_or("keyless"))
+            .payload("{}")
+            .headers(headers_with_a_name_that_is_not_utf8(key));
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .expect("produced");
+    }
+    let recs: Vec<Rec> = (0..3)
+        .map(|i| Rec::keyed(0, &format!("ok{i}"), "{}"))
+        .collect();
+    let ends = ends(&produce(&topic, &recs).await);
+
+    let store = shared(redis_store(&unique("idem-kafka-bad-header")).await);
+    let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok(()) };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store, ExecutorConfig::new("bad-header")),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, 5, Duration::from_secs(60)).await;
+    stop(running).await;
+    assert_eq!(
+        (stats.executed(), stats.dead_lettered()),
+        (4, 1),
+        "{stats:?}"
+    );
+    assert_eq!(committed(&group, &topic, 1), ends);
+
+    let dlq = read_topic(&format!("{topic}.dlq"), 1, Duration::from_secs(20)).await;
+    assert_eq!(dlq.len(), 1);
+    let d = &dlq[0];
+    assert_eq!(d.key(), Some(&b"keyless"[..]));
+    assert_eq!(
+        header(d, idem_kafka::HEADER_REASON).as_deref(),
+        Some("missing_key")
+    );
+    assert_eq!(
+        d.headers().map(|h| h.count()),
+        Some(1 + 6),
+        "the original header, then the runner's (no key)"
+    );
+}
+
+/// A record over librdkafka's default `message.max.bytes` (1,000,000 bytes) that the topic took
+/// is dead-lettered: the dead-letter producer leaves the limit to the broker. Before, the write
+/// was refused before it was sent, every time, and the partition stalled on the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_over_the_client_default_size_is_dead_lettered() {
+    use idem_kafka::rdkafka::ClientConfig;
+    use idem_kafka::rdkafka::message::Message as _;
+    use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("large");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
+    let value = "x".repeat(1_010_000);
+    let large: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("message.max.bytes", "2000000")
+        .create()
+        .expect("producer");
+    let record = FutureRecord::<str, str>::to(&topic)
+        .partition(0)
+        .key("big")
+        .payload(&value)
+        .headers(idem_kafka::rdkafka::message::OwnedHeaders::new().insert(
+            idem_kafka::rdkafka::message::Header {
+                key: "idempotency-key",
+                value: Some("big"),
+            },
+        ));
+    let offset = large
+        .send(record, Duration::from_secs(10))
+        .await
+        .expect("produced")
+        .offset;
+
+    let store = shared(redis_store(&unique("idem-kafka-large")).await);
+    let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async {
+        Err::<(), _>(HandlerError::terminal(std::io::Error::other("malformed")))
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store, ExecutorConfig::new("large")),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, 1, Duration::from_secs(30)).await;
+    stop(running).await;
+    assert_eq!(stats.dead_lettered(), 1, "{stats:?}");
+    assert_eq!(
+        committed(&group, &topic, 1),
+        [(0, offset + 1)].into_iter().collect()
+    );
+    let dlq = read_topic(&format!("{topic}.dlq"), 1, Duration::from_secs(20)).await;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].payload().map(<[u8]>::len), Some(value.len()));
+    assert_eq!(
+        header(&dlq[0], idem_kafka::HEADER_REASON).as_deref(),
+        Some("failed")
+    );
+}
+
+/// A dead letter refused as too large with the original headers is written with the runner's
+/// only, naming the others. The limit here is the dead-letter producer's own; a broker's
+/// refusal has the same code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_too_large_with_the_original_headers_goes_without_them() {
+    use idem_kafka::rdkafka::ClientConfig;
+    use idem_kafka::rdkafka::message::Message as _;
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("large-headers");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
+    let mut rec = Rec::keyed(0, "big", "x".repeat(20_000));
+    rec.headers.push(("blob".into(), "y".repeat(5_000)));
+    let ends = ends(&produce(&topic, &[rec]).await);
+
+    let store = shared(redis_store(&unique("idem-kafka-large-headers")).await);
+    let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async {
+        Err::<(), _>(HandlerError::terminal(std::io::Error::other("malformed")))
+    };
+    // 23,000 bytes: the value and the runner's headers fit, not with the original ones too.
+    let mut producer_config = ClientConfig::new();
+    producer_config
+        .set("bootstrap.servers", brokers())
+        .set("message.max.bytes", "23000");
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(store, ExecutorConfig::new("large-headers")),
+        handler,
+    )
+    .topic(&topic)
+    .producer_config(producer_config)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, 1, Duration::from_secs(30)).await;
+    stop(running).await;
+    assert_eq!(stats.dead_lettered(), 1, "{stats:?}");
+    assert_eq!(committed(&group, &topic, 1), ends);
+    let dlq = read_topic(&format!("{topic}.dlq"), 1, Duration::from_secs(20)).await;
+    assert_eq!(dlq.len(), 1);
+    let d = &dlq[0];
+    assert_eq!(d.payload().map(<[u8]>::len), Some(20_000));
+    assert_eq!(header(d, "blob"), None);
+    assert_eq!(
+        header(d, idem_kafka::HEADER_DROPPED).as_deref(),
+        Some("idempotency-key,blob")
+    );
+    assert_eq!(header(d, idem_kafka::HEADER_KEY).as_deref(), Some("big"));
+}

@@ -2,7 +2,7 @@
 
 use async_nats::HeaderMap;
 pub use idem_executor::DeadLetterReason;
-use idem_executor::broker::{DeadLetterInfo, attempts_value};
+use idem_executor::broker::{DeadLetterInfo, attempts_value, header_text};
 
 use crate::message::NatsMessage;
 
@@ -18,6 +18,19 @@ pub const HEADER_DELIVERED: &str = "idem-dlq-delivered";
 /// Header keeping the original `Nats-Msg-Id`, when the message had one: the dead letter carries
 /// its own (`<stream>:<sequence>`), so a dead letter published twice is stored once.
 pub const HEADER_SOURCE_MSG_ID: &str = "idem-dlq-source-msg-id";
+/// What the name of any other original header starting with `Nats-` is prefixed with in the
+/// dead letter: the server acts on such headers when they are published (`Nats-Expected-Stream`
+/// refuses a message published to another stream, `Nats-Rollup` purges the subject or the
+/// stream, `Nats-TTL` expires the message), so the dead letter keeps them only under another
+/// name, e.g. `idem-dlq-source-Nats-Expected-Stream`.
+pub const HEADER_SOURCE_NATS_PREFIX: &str = "idem-dlq-source-";
+
+/// Whether `name` is one of the server's own headers (`Nats-` and any case), other than
+/// `Nats-Msg-Id`.
+fn server_header(name: &str) -> bool {
+    name.get(..5)
+        .is_some_and(|p| p.eq_ignore_ascii_case("nats-"))
+}
 
 /// A text as a NATS header value: `\` as `\\`, CR as `\r`, LF as `\n` (a header value cannot
 /// hold a line break). Reversed by [`unescape`].
@@ -53,32 +66,49 @@ pub fn unescape(value: &str) -> String {
     out
 }
 
-/// The original headers with the dead-letter headers added (replacing any of the same name).
+/// Header naming (comma-separated, cut as [`HEADER_ERROR`] is) the original headers a dead
+/// letter goes without: present only when, with them, it was over the server's payload limit
+/// (headers count towards it).
+pub const HEADER_DROPPED: &str = "idem-dlq-dropped-headers";
+
+/// The original headers (when `originals`; else [`HEADER_DROPPED`] names them) with the
+/// dead-letter headers added (replacing any of the same name).
 pub(crate) fn headers(
     msg: &NatsMessage,
     info: &DeadLetterInfo,
     attempts: Option<u32>,
     key_id: Option<&str>,
+    originals: bool,
 ) -> HeaderMap {
     let mut headers = HeaderMap::new();
     let mut source_msg_id = None;
+    let mut dropped = Vec::new();
     if let Some(orig) = msg.headers() {
         for (name, values) in orig.iter() {
-            if AsRef::<str>::as_ref(name) == "Nats-Msg-Id" {
+            let text: &str = name.as_ref();
+            if text == "Nats-Msg-Id" {
                 source_msg_id = values.first().map(|v| v.as_str().to_owned());
                 continue;
             }
+            if !originals {
+                dropped.push(text);
+                continue;
+            }
+            let renamed = server_header(text).then(|| format!("{HEADER_SOURCE_NATS_PREFIX}{text}"));
             for value in values {
-                headers.append(name.clone(), value.clone());
+                match &renamed {
+                    Some(renamed) => headers.append(renamed.as_str(), value.clone()),
+                    None => headers.append(name.clone(), value.clone()),
+                }
             }
         }
     }
     let attempts = attempts_value(attempts);
     let ours: [(&str, Option<String>); 9] = [
         (HEADER_REASON, Some(info.reason.as_str().to_owned())),
-        (HEADER_ERROR, Some(escape(&info.error))),
+        (HEADER_ERROR, Some(escape(&header_text(&info.error)))),
         (HEADER_ATTEMPTS, Some(attempts)),
-        (HEADER_KEY, key_id.map(escape)),
+        (HEADER_KEY, key_id.map(|k| escape(&header_text(k)))),
         (HEADER_SOURCE_STREAM, Some(msg.stream().to_owned())),
         (HEADER_SOURCE_SUBJECT, Some(msg.subject().to_owned())),
         (
@@ -92,6 +122,10 @@ pub(crate) fn headers(
         if let Some(value) = value {
             headers.insert(name, value);
         }
+    }
+    if !dropped.is_empty() {
+        dropped.sort_unstable();
+        headers.insert(HEADER_DROPPED, escape(&header_text(&dropped.join(","))));
     }
     headers.insert(
         "Nats-Msg-Id",
@@ -125,7 +159,7 @@ mod tests {
             error: "bad\nline".into(),
             attempts: Some(2),
         };
-        let h = headers(&msg, &info, Some(2), Some("k\r1"));
+        let h = headers(&msg, &info, Some(2), Some("k\r1"), true);
         let get = |n: &str| h.get(n).map(|v| v.as_str().to_owned());
         assert_eq!(get("trace").as_deref(), Some("abc"));
         assert_eq!(get(HEADER_REASON).as_deref(), Some("failed"));
@@ -138,5 +172,24 @@ mod tests {
         );
         assert_eq!(get(HEADER_SOURCE_MSG_ID).as_deref(), Some("producer-1"));
         assert_eq!(get("Nats-Msg-Id").as_deref(), Some(":0"), "stream:sequence");
+    }
+
+    #[test]
+    fn a_long_error_and_key_are_cut() {
+        let msg = NatsMessage::new("orders.created", "{}", None);
+        let info = DeadLetterInfo {
+            reason: DeadLetterReason::InvalidKey,
+            error: "e".repeat(100_000),
+            attempts: Some(0),
+        };
+        let h = headers(&msg, &info, Some(0), Some(&"k".repeat(100_000)), true);
+        for name in [HEADER_ERROR, HEADER_KEY] {
+            let value = h.get(name).unwrap().as_str();
+            assert!(
+                value.len() <= idem_executor::broker::MAX_HEADER_TEXT && value.ends_with('…'),
+                "{name}: {} bytes",
+                value.len()
+            );
+        }
     }
 }

@@ -77,9 +77,11 @@ pub struct RunnerOptions {
     /// The consumer's `max_deliver` when the runner creates it (default `None`: unlimited).
     /// When set, it must exceed the executor's
     /// [`max_attempts`](idem_executor::ExecutorConfig::max_attempts): every nak (a retry, a key in
-    /// progress elsewhere) is a delivery too. A message on its last allowed delivery is
-    /// dead-lettered (reason `exhausted`) instead of nak'ed, so the server never drops it
-    /// silently.
+    /// progress elsewhere) is a delivery too. A message on its last allowed delivery is never
+    /// nak'ed: it is dead-lettered (reason `exhausted`) where it would be, and run where it would
+    /// be sent back unrun (arriving during a stop, or beyond a pull's free slots). Only a dead
+    /// letter that cannot be published when the drain times out ends in a nak (see the crate
+    /// docs, "max_deliver and max_attempts").
     pub max_deliver: Option<i64>,
     /// The consumer's subject filter when the runner creates it (default `None`: the whole
     /// stream).
@@ -94,9 +96,10 @@ pub struct RunnerOptions {
     /// Longest wait for the stream's acknowledgement of a dead-letter publication (default
     /// 30 s).
     pub publish_timeout: Duration,
-    /// How long a handler may go on after the drain timed out before it is dropped (default
-    /// 10 s); it is signalled through its context's cancellation token half-way. Its lease is
-    /// never released once it started.
+    /// Twice how long a handler may go on after the drain timed out (default 10 s): half-way
+    /// its context's cancellation token is cancelled, which the executor reads as a lost lease
+    /// (it drops the handler unless it returns in that same poll, recording nothing). Its lease
+    /// is never released once it started.
     pub orphan_timeout: Duration,
     /// Longest wait for one lease release (default 5 s; must be below
     /// [`orphan_timeout`](Self::orphan_timeout)).

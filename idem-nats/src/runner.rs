@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::{AckKind, Acker};
 use futures::{FutureExt, StreamExt};
 use idem_executor::broker::{self, DeadLetterInfo, DrainTimeouts, Execution, Step, outcome_name};
@@ -132,9 +133,12 @@ where
     /// Gets (or creates) the consumer, checks its configuration, pulls and processes messages
     /// until `shutdown` completes, then drains: no new pull; the pull in flight is read to its
     /// end (at most [`pull_expiry`](RunnerOptions::pull_expiry)) and what it brings is nak'ed
-    /// for an immediate redelivery; the messages in process finish and are settled (up to [`drain_timeout`](RunnerOptions::drain_timeout); then a handler that had
-    /// not started releases its lease and its message is nak'ed, and running ones are signalled,
-    /// then dropped).
+    /// for an immediate redelivery (a message on its last allowed delivery is run instead); the
+    /// messages in process finish and are settled (up to
+    /// [`drain_timeout`](RunnerOptions::drain_timeout); then a handler that had not started
+    /// releases its lease and its message is nak'ed, or dead-lettered on its last allowed
+    /// delivery, and running ones are signalled half-way through the orphan timeout, which
+    /// drops them unless they return at once).
     ///
     /// A pull request that fails is sent again with a bounded delay; the client
     /// reconnects to the server by itself (acks sent while it is disconnected fail, and the
@@ -301,7 +305,9 @@ where
                         Some(Ok(message)) => {
                             failures = 0;
                             busy = true;
-                            if let Some(taken) = self.take(message, &stop, &mut slots).await {
+                            if let Some(taken) =
+                                self.take(message, &stop, &mut slots, max_deliver).await
+                            {
                                 group.push(taken);
                             }
                         }
@@ -356,18 +362,28 @@ where
 
     /// A message of a pull, with the slot it takes; `None` (the message nak'ed for an
     /// immediate redelivery) when stopping or when the pull brought more than was asked for.
+    /// A message on its last allowed delivery (`max_deliver`) is never nak'ed, which would
+    /// make the server drop it: it is taken then too, without a slot (a stop still drains it).
     async fn take(
         &self,
         message: async_nats::jetstream::Message,
         stop: &CancellationToken,
         slots: &mut Vec<OwnedSemaphorePermit>,
-    ) -> Option<(async_nats::jetstream::Message, OwnedSemaphorePermit)> {
+        max_deliver: i64,
+    ) -> Option<(async_nats::jetstream::Message, Option<OwnedSemaphorePermit>)> {
         let stats = &self.common.stats;
         if !stop.is_cancelled() {
             RunnerStats::bump(&stats.received);
             if let Some(slot) = slots.pop() {
-                return Some((message, slot));
+                return Some((message, Some(slot)));
             }
+        }
+        let delivered = message.info().map_or(1, |i| i.delivered);
+        if is_last_delivery(delivered, max_deliver) {
+            if stop.is_cancelled() {
+                RunnerStats::bump(&stats.received);
+            }
+            return Some((message, None));
         }
         if message.ack_with(AckKind::Nak(None)).await.is_err() {
             RunnerStats::count(&stats.ack_failures, m::ACK_FAILURES);
@@ -451,11 +467,39 @@ where
     }
 }
 
+/// Whether a message delivered `delivered` times is on the consumer's last allowed delivery
+/// (`max_deliver`; 0 or less: unlimited), when a nak would make the server stop delivering it.
+fn is_last_delivery(delivered: i64, max_deliver: i64) -> bool {
+    max_deliver > 0 && delivered >= max_deliver
+}
+
+/// The dead letter of a message on its last allowed delivery that has no final outcome.
+/// Whether a publication was refused for its size: over the server's `max_payload` (refused by
+/// the client before it is sent) or over the stream's `max_msg_size` (refused by the stream).
+fn too_large(error: &async_nats::jetstream::context::PublishError) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    error.kind() == PublishErrorKind::MaxPayloadExceeded
+        || std::error::Error::source(error)
+            .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
+            .is_some_and(|e| e.error_code() == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
+}
+
+fn last_delivery_info(msg: &NatsMessage, why: &str) -> DeadLetterInfo {
+    DeadLetterInfo {
+        reason: DeadLetterReason::Exhausted,
+        error: format!(
+            "delivered {} times, the consumer's max_deliver, without a final outcome ({why})",
+            msg.delivered()
+        ),
+        attempts: None,
+    }
+}
+
 /// Processes a group of messages to their end: one executor batch, then each message settled;
 /// a progress ack for every message not yet settled at each heartbeat interval meanwhile.
 async fn deliver<H, T, C, R>(
     common: Arc<Common<H, C, R>>,
-    group: Vec<(async_nats::jetstream::Message, OwnedSemaphorePermit)>,
+    group: Vec<(async_nats::jetstream::Message, Option<OwnedSemaphorePermit>)>,
     lost: CancellationToken,
     max_deliver: i64,
 ) where
@@ -583,6 +627,11 @@ where
                     RunnerStats::count(&common.stats.released, m::RELEASED);
                 }
                 RunnerStats::count(&common.stats.abandoned, m::ABANDONED);
+                if is_last_delivery(msg.delivered(), self.max_deliver) {
+                    // A nak would make the server drop it: dead-letter it instead.
+                    let info = last_delivery_info(msg, "abandoned by the drain");
+                    return self.dead_letter_until_published(msg, &info).await;
+                }
                 // Redelivered at once elsewhere (a lease left to expire makes it wait there).
                 self.send(AckKind::Nak(None), false).await;
                 return;
@@ -616,16 +665,9 @@ where
                     BrokerAction::Retry { after } => after,
                     _ => options.min_retry_delay,
                 };
-                if self.max_deliver > 0 && msg.delivered() >= self.max_deliver {
+                if is_last_delivery(msg.delivered(), self.max_deliver) {
                     // A nak now would make the server drop the message: dead-letter it instead.
-                    let info = DeadLetterInfo {
-                        reason: DeadLetterReason::Exhausted,
-                        error: format!(
-                            "delivered {} times, the consumer's max_deliver, without a final outcome (last: {outcome})",
-                            msg.delivered()
-                        ),
-                        attempts: None,
-                    };
+                    let info = last_delivery_info(msg, &format!("last: {outcome}"));
                     return self.dead_letter_until_published(msg, &info).await;
                 }
                 let delay = options.retry_delay(hint);
@@ -670,11 +712,18 @@ where
     async fn dead_letter_until_published(&self, msg: &NatsMessage, info: &DeadLetterInfo) {
         let common = self.common;
         let key_id = common.execution.key_id(msg);
-        let attempts = common
-            .execution
-            .dead_letter_attempts(info, key_id.as_deref())
-            .await;
-        let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref());
+        // Once the delivery is lost (the drain timed out) the time left is short: no store read
+        // for the attempt count (the header is left out), the publication first.
+        let attempts = if self.lost.is_cancelled() {
+            info.attempts
+        } else {
+            common
+                .execution
+                .dead_letter_attempts(info, key_id.as_deref())
+                .await
+        };
+        let mut headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), true);
+        let mut originals_kept = msg.headers().is_some_and(|h| !h.is_empty());
         let subject = common
             .options
             .dead_letter_subject
@@ -704,6 +753,12 @@ where
                         "message dead-lettered"
                     );
                     return self.send(AckKind::Term, true).await;
+                }
+                Ok(Err(e)) if originals_kept && too_large(&e) => {
+                    tracing::warn!(error = %e, "the dead letter is over the server's or the stream's size limit with the original headers: publishing it with the runner's only, naming the others");
+                    headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), false);
+                    originals_kept = false;
+                    continue;
                 }
                 Ok(Err(e)) => {
                     RunnerStats::count(&common.stats.publish_failures, m::PUBLISH_FAILURES);

@@ -44,14 +44,9 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_replay_conflicts_and_poison_dead_letter() {
-    if !nats_and_redis() {
+    let Some((client, js, name)) = streams_for("runner").await else {
         return;
-    }
-    init_tracing();
-    let client = connect(&nats_url()).await;
-    let js = idem_nats::async_nats::jetstream::new(client.clone());
-    let name = unique("runner");
-    create_streams(&js, &name).await;
+    };
     let mut msgs = vec![Msg::keyed("poison", r#"{"n":-1}"#)];
     for i in 0..40 {
         msgs.push(Msg::keyed(&format!("k{i}"), format!(r#"{{"n":{i}}}"#)));
@@ -139,18 +134,176 @@ async fn duplicates_replay_conflicts_and_poison_dead_letter() {
     delete_streams(&js, &name).await;
 }
 
+/// A message published with the server's own headers (`Nats-Expected-Stream` names the work
+/// stream) is dead-lettered with them renamed: published as they were, the dead-letter stream
+/// refused it every time ("expected stream does not match") and the runner held the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_headers_are_renamed_in_the_dead_letter() {
+    let Some((client, js, name)) = streams_for("runner_server_headers").await else {
+        return;
+    };
+    let mut msg = Msg::keyed("bad", "{}");
+    msg.headers
+        .push(("Nats-Expected-Stream".into(), name.clone()));
+    msg.headers.push(("trace".into(), "t-1".into()));
+    publish(&js, &name, &[msg, Msg::keyed("fine", "{}")]).await;
+
+    let store = shared(redis_store(&format!("{}:", unique("idem-nats-server-headers"))).await);
+    let handler = |_msg: NatsMessage, ctx: HandlerContext| async move {
+        match ctx.key().unwrap().id() {
+            "bad" => Err(HandlerError::terminal("malformed amount")),
+            _ => Ok(()),
+        }
+    };
+    let runner = NatsRunner::builder(
+        client,
+        &name,
+        "workers",
+        executor(store, ExecutorConfig::new("nats-server-headers")),
+        handler,
+    )
+    .options(options())
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let watched = Arc::clone(&stats);
+    let done = run_until(task, stop, Duration::from_secs(20), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.executed() == 1 && s.dead_lettered() == 1 })
+    })
+    .await;
+    assert!(done, "{stats:?}");
+    assert_eq!(stats.publish_failures(), 0, "{stats:?}");
+
+    let dead = read_stream(&js, &format!("{name}_dlq")).await;
+    assert_eq!(dead.len(), 1);
+    let d = &dead[0];
+    assert_eq!(
+        d.header(idem_nats::HEADER_REASON).as_deref(),
+        Some("failed")
+    );
+    assert_eq!(d.header("Nats-Expected-Stream"), None);
+    assert_eq!(
+        d.header(&format!(
+            "{}Nats-Expected-Stream",
+            idem_nats::HEADER_SOURCE_NATS_PREFIX
+        )),
+        Some(name.clone())
+    );
+    assert_eq!(d.header("trace").as_deref(), Some("t-1"));
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
+/// Runs a runner whose handler refuses every message terminally until one dead letter is
+/// published (20 s at most), checks that no publication failed on the way, and returns the
+/// dead-letter stream's messages.
+async fn dead_letter_the_one_message(
+    client: async_nats::Client,
+    js: &async_nats::jetstream::Context,
+    name: &str,
+) -> Vec<Read> {
+    let store = shared(redis_store(&format!("{}:", unique("idem-nats-refused"))).await);
+    let handler = |_msg: NatsMessage, _ctx: HandlerContext| async {
+        Err::<(), _>(HandlerError::terminal("malformed amount"))
+    };
+    let runner = NatsRunner::builder(
+        client,
+        name,
+        "workers",
+        executor(store, ExecutorConfig::new("nats-refused")),
+        handler,
+    )
+    .options(options())
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let watched = Arc::clone(&stats);
+    let done = run_until(task, stop, Duration::from_secs(20), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.dead_lettered() == 1 })
+    })
+    .await;
+    assert!(done, "{stats:?}");
+    assert_eq!(stats.publish_failures(), 0, "{stats:?}");
+    read_stream(js, &format!("{name}_dlq")).await
+}
+
+/// A message near the server's payload limit (1 MiB here; headers count towards it) is
+/// dead-lettered: over the limit with its original headers plus the runner's, it is published
+/// with the runner's only, naming the others. Before, the publication failed every second,
+/// forever, and the runner held the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_over_the_payload_limit_goes_without_the_original_headers() {
+    let Some((client, js, name)) = streams_for("runner_large").await else {
+        return;
+    };
+    let body = "x".repeat(1_040_000);
+    let mut msg = Msg::keyed("big", body.as_str());
+    // The original fits with about 180 bytes to spare, fewer than the runner's headers take.
+    msg.headers.push(("blob".into(), "y".repeat(8_350)));
+    publish(&js, &name, &[msg]).await;
+
+    let dead = dead_letter_the_one_message(client, &js, &name).await;
+    assert_eq!(dead.len(), 1);
+    let d = &dead[0];
+    assert_eq!(d.body.len(), body.len(), "the payload whole");
+    assert_eq!(
+        d.header(idem_nats::HEADER_REASON).as_deref(),
+        Some("failed")
+    );
+    assert_eq!(d.header(idem_nats::HEADER_KEY).as_deref(), Some("big"));
+    assert_eq!(
+        d.header(idem_nats::HEADER_DROPPED).as_deref(),
+        Some("blob,idempotency-key")
+    );
+    assert_eq!(d.header("blob"), None);
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
+/// The same when the dead-letter stream's `max_msg_size` is what refuses it (the refusal comes
+/// from the stream, not the client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_over_the_stream_size_limit_goes_without_the_original_headers() {
+    use async_nats::jetstream::stream;
+    let Some((client, js, name)) = streams_for("runner_stream_limit").await else {
+        return;
+    };
+    js.update_stream(stream::Config {
+        name: format!("{name}_dlq"),
+        subjects: vec![format!("dlq.{name}.>")],
+        storage: stream::StorageType::File,
+        max_message_size: 20_000,
+        ..Default::default()
+    })
+    .await
+    .expect("limit the dead-letter stream");
+    let mut msg = Msg::keyed("big", "x".repeat(15_000));
+    msg.headers.push(("blob".into(), "y".repeat(5_000)));
+    publish(&js, &name, &[msg]).await;
+
+    let dead = dead_letter_the_one_message(client, &js, &name).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].body.len(), 15_000);
+    assert_eq!(
+        dead[0].header(idem_nats::HEADER_DROPPED).as_deref(),
+        Some("blob,idempotency-key")
+    );
+    delete_streams(&js, &name).await;
+}
+
 /// A handler that runs well past the consumer's ack deadline is not redelivered while it holds
 /// its lease: the runner sends a progress ack at every heartbeat.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_handler_past_the_ack_deadline_is_not_redelivered() {
-    if !nats_and_redis() {
+    let Some((client, js, name)) = streams_for("slow").await else {
         return;
-    }
-    init_tracing();
-    let client = connect(&nats_url()).await;
-    let js = idem_nats::async_nats::jetstream::new(client.clone());
-    let name = unique("slow");
-    create_streams(&js, &name).await;
+    };
     let store = shared(redis_store(&format!("{}:", unique("idem-nats-slow"))).await);
     let ack_wait = Duration::from_secs(2);
     let config = ExecutorConfig::new("slow")
@@ -220,32 +373,35 @@ async fn a_slow_handler_past_the_ack_deadline_is_not_redelivered() {
     delete_streams(&js, &name).await;
 }
 
+/// Another worker's lease on `key`, for a minute.
+async fn hold_elsewhere(
+    store: &idem_redis::RedisStore,
+    key: idem_core::IdempotencyKey,
+) -> idem_core::Lease {
+    match store
+        .acquire(&AcquireRequest::new(key, "someone-else").with_lease_ttl(Duration::from_secs(60)))
+        .await
+        .unwrap()
+    {
+        idem_core::AcquireOutcome::Acquired { lease, .. } => lease,
+        other => panic!("{other:?}"),
+    }
+}
+
 /// A message whose key stays held elsewhere is nak'ed until its last allowed delivery, then
 /// dead-lettered (reason `exhausted`) rather than dropped by the server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_allowed_delivery_is_dead_lettered_not_dropped() {
-    if !nats_and_redis() {
+    let Some((client, js, name)) = streams_for("maxdeliver").await else {
         return;
-    }
-    init_tracing();
-    let client = connect(&nats_url()).await;
-    let js = idem_nats::async_nats::jetstream::new(client.clone());
-    let name = unique("maxdeliver");
-    create_streams(&js, &name).await;
+    };
     let store = redis_store(&format!("{}:", unique("idem-nats-maxdeliver"))).await;
     // Another worker holds the key for a minute.
-    let key = Namespace::new("maxdeliver").unwrap().key("held").unwrap();
-    let held = store
-        .acquire(
-            &AcquireRequest::new(key.clone(), "someone-else")
-                .with_lease_ttl(Duration::from_secs(60)),
-        )
-        .await
-        .unwrap();
-    assert!(
-        matches!(held, idem_core::AcquireOutcome::Acquired { .. }),
-        "{held:?}"
-    );
+    hold_elsewhere(
+        &store,
+        Namespace::new("maxdeliver").unwrap().key("held").unwrap(),
+    )
+    .await;
     publish(
         &js,
         &name,
@@ -306,18 +462,208 @@ async fn the_last_allowed_delivery_is_dead_lettered_not_dropped() {
     delete_streams(&js, &name).await;
 }
 
+/// Messages on their last allowed delivery in one group, handlers one at a time, and a stop
+/// whose drain times out: the running handler is signalled (its message then has no final
+/// outcome) and the others are abandoned before their handlers start. None is nak'ed (the
+/// server would stop delivering it): all are dead-lettered (reason `exhausted`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn last_deliveries_cut_short_by_the_drain_are_dead_lettered_not_dropped() {
+    let Some((client, js, name)) = streams_for("lastdrain").await else {
+        return;
+    };
+    let store = redis_store(&format!("{}:", unique("idem-nats-lastdrain"))).await;
+    let ns = Namespace::new("lastdrain").unwrap();
+    // Other workers hold the keys, so that a first runner naks every first delivery, with a
+    // delay that outlasts it.
+    const IDS: [&str; 4] = ["a", "b", "c", "d"];
+    let mut held = Vec::new();
+    for id in IDS {
+        held.push(hold_elsewhere(&store, ns.key(id).unwrap()).await);
+    }
+    let msgs: Vec<Msg> = IDS.iter().map(|id| Msg::keyed(id, "{}")).collect();
+    publish(&js, &name, &msgs).await;
+    let started = Arc::new(AtomicU32::new(0));
+    let runner = |client: idem_nats::async_nats::Client, nak_delay: Duration| {
+        let counter = Arc::clone(&started);
+        let handler = move |_msg: NatsMessage, _ctx: HandlerContext| {
+            let counter = Arc::clone(&counter);
+            async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Ok::<_, HandlerError>(())
+            }
+        };
+        let config = ExecutorConfig::new("lastdrain")
+            .with_max_attempts(1)
+            .with_fingerprint(idem_executor::FingerprintPolicy::Off)
+            .with_batch(idem_executor::BatchConfig::default().with_concurrency(1));
+        NatsRunner::builder(
+            client,
+            &name,
+            "workers",
+            executor(shared(store.clone()), config),
+            handler,
+        )
+        .options(
+            options()
+                .with_max_deliver(Some(2))
+                .with_retry_delays(nak_delay, nak_delay)
+                .with_drain_timeout(Duration::from_millis(300)),
+        )
+        .build()
+        .unwrap()
+    };
+    let first = runner(client.clone(), Duration::from_secs(1));
+    let stats = first.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(first.run(stop.clone().cancelled_owned()));
+    let watched = Arc::clone(&stats);
+    let naked = run_until(task, stop, Duration::from_secs(10), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.naks() == 4 })
+    })
+    .await;
+    assert!(naked, "{stats:?}");
+    for lease in &held {
+        store.release(lease).await.unwrap();
+    }
+    // The second (last) deliveries come back together: one pull brings them as one group.
+    let second = runner(client, Duration::from_millis(50));
+    let stats = second.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(second.run(stop.clone().cancelled_owned()));
+    let counter = Arc::clone(&started);
+    let ran = run_until(task, stop, Duration::from_secs(10), move || {
+        let n = Arc::clone(&counter);
+        Box::pin(async move { n.load(Ordering::SeqCst) >= 1 })
+    })
+    .await;
+    assert!(ran, "{stats:?}");
+    // One handler at a time in a group: usually the four form one group (one handler runs,
+    // three never start); a pull read in parts makes more groups, each running one.
+    let ran = u64::from(started.load(Ordering::SeqCst));
+    assert_eq!(
+        stats.abandoned(),
+        4 - ran,
+        "the others never started: {stats:?}"
+    );
+    assert_eq!(stats.naks(), 0, "no nak of a last delivery: {stats:?}");
+    assert_eq!(stats.dead_lettered(), 4, "{stats:?}");
+    let dead = read_stream(&js, &format!("{name}_dlq")).await;
+    assert_eq!(dead.len(), 4);
+    for d in &dead {
+        assert_eq!(
+            d.header(idem_nats::HEADER_REASON).as_deref(),
+            Some("exhausted")
+        );
+        assert!(
+            d.header(idem_nats::HEADER_ERROR)
+                .unwrap()
+                .contains("max_deliver"),
+            "{dead:?}"
+        );
+    }
+    let abandoned = dead
+        .iter()
+        .filter(|d| {
+            d.header(idem_nats::HEADER_ERROR)
+                .unwrap()
+                .contains("abandoned by the drain")
+        })
+        .count();
+    assert_eq!(abandoned as u64, 4 - ran, "{dead:?}");
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
+/// A message on its last allowed delivery that arrives while the runner stops (in the pull it
+/// reads to its end) is run, not nak'ed for an immediate redelivery, which would make the
+/// server stop delivering it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_delivery_arriving_during_the_stop_is_run_not_nacked() {
+    let Some((client, js, name)) = streams_for("laststop").await else {
+        return;
+    };
+    let store = redis_store(&format!("{}:", unique("idem-nats-laststop"))).await;
+    let key = Namespace::new("laststop").unwrap().key("late").unwrap();
+    let held = hold_elsewhere(&store, key.clone()).await;
+    publish(&js, &name, &[Msg::keyed("late", "{}")]).await;
+    let runner = |client: idem_nats::async_nats::Client, pull_expiry: Duration| {
+        let config = ExecutorConfig::new("laststop")
+            .with_max_attempts(1)
+            .with_fingerprint(idem_executor::FingerprintPolicy::Off);
+        let handler = |_msg: NatsMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
+        NatsRunner::builder(
+            client,
+            &name,
+            "workers",
+            executor(shared(store.clone()), config),
+            handler,
+        )
+        .options(
+            options()
+                .with_max_deliver(Some(2))
+                .with_retry_delays(Duration::from_secs(3), Duration::from_secs(3))
+                .with_pull_expiry(pull_expiry),
+        )
+        .build()
+        .unwrap()
+    };
+    // The first delivery meets the key held elsewhere: nak'ed, back in 3 s (after this runner
+    // ended, its pulls lasting 1 s).
+    let first = runner(client.clone(), Duration::from_secs(1));
+    let stats = first.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(first.run(stop.clone().cancelled_owned()));
+    let watched = Arc::clone(&stats);
+    let naked = run_until(task, stop, Duration::from_secs(10), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.naks() == 1 })
+    })
+    .await;
+    assert!(naked, "{stats:?}");
+    store.release(&held).await.unwrap();
+    // A second runner waits in a pull, and is told to stop before the redelivery comes: it
+    // reads that pull to its end, and the redelivery (the last allowed) arrives in it.
+    let second = runner(client, Duration::from_secs(8));
+    let stats = second.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(second.run(stop.clone().cancelled_owned()));
+    let waiting = wait_for(Duration::from_secs(10), || {
+        let js = js.clone();
+        let name = name.clone();
+        async move {
+            let s = js.get_stream(&name).await.expect("stream");
+            let mut c: idem_nats::async_nats::jetstream::consumer::PullConsumer =
+                s.get_consumer("workers").await.expect("consumer");
+            c.info().await.expect("consumer info").num_waiting > 0
+        }
+    })
+    .await;
+    assert!(waiting, "the second runner pulls");
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("drained in time")
+        .unwrap()
+        .expect("run");
+    assert_eq!(stats.executed(), 1, "{stats:?}");
+    assert_eq!(stats.naks(), 0, "{stats:?}");
+    assert!(matches!(
+        store.get(&key).await.unwrap().map(|r| r.state),
+        Some(RecordState::Completed { .. })
+    ));
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
 /// Shutdown drains: the handlers in process finish and are acknowledged, nothing else starts,
 /// and what was not processed is still pending for the consumer, with no key left in progress.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_in_flight_messages() {
-    if !nats_and_redis() {
+    let Some((client, js, name)) = streams_for("drain").await else {
         return;
-    }
-    init_tracing();
-    let client = connect(&nats_url()).await;
-    let js = idem_nats::async_nats::jetstream::new(client.clone());
-    let name = unique("drain");
-    create_streams(&js, &name).await;
+    };
     let msgs: Vec<Msg> = (0..20)
         .map(|i| Msg::keyed(&format!("d{i}"), format!(r#"{{"n":{i}}}"#)))
         .collect();

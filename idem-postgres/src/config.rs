@@ -125,7 +125,13 @@ impl PostgresConfig {
     /// [`Error::InvalidInput`] with field `url` when it does not parse.
     pub fn new(url: &str) -> Result<Self> {
         let pg = tokio_postgres::Config::from_str(url).map_err(|e| {
-            Error::invalid("url", format!("not a PostgreSQL connection string: {e}"))
+            // tokio-postgres says "invalid connection string" and names what is wrong (an
+            // unknown option, a bad value) in the error's source.
+            let why = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
+            Error::invalid(
+                "url",
+                format!("not a PostgreSQL connection string: {e}{why}"),
+            )
         })?;
         Ok(Self::from_pg_config(pg))
     }
@@ -325,6 +331,17 @@ pub(crate) fn quote(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_string_that_does_not_parse_says_why() {
+        let e = PostgresConfig::new("postgres://u@127.0.0.1/db?colour=blue").unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::InvalidInput { field: "url", .. })
+                && text.contains("unknown option `colour`"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn identifiers() {

@@ -2,8 +2,9 @@
 
 use std::error::Error as _;
 use std::io;
+use std::time::Duration;
 
-use deadpool_postgres::PoolError;
+use deadpool_postgres::{PoolError, TimeoutType};
 use idem_core::Error;
 use tokio_postgres::error::SqlState;
 
@@ -126,11 +127,16 @@ pub(crate) fn fix(names: &Names) -> String {
 }
 
 /// Maps a pool error: timeouts, a closed pool and connection failures are
-/// [`Error::Unavailable`].
-pub(crate) fn map_pool(e: PoolError) -> Error {
+/// [`Error::Unavailable`]; a timeout says which bound ran out (`wait`: the pool's wait for a
+/// free connection; `connect`: opening or checking one), as [`Error::timed_out`] does.
+pub(crate) fn map_pool(e: PoolError, wait: Duration, connect: Duration) -> Error {
     match e {
         PoolError::Backend(e) => map_pg(e),
-        PoolError::Timeout(_) | PoolError::Closed => Error::unavailable(STORE, e),
+        PoolError::Timeout(TimeoutType::Wait) => Error::timed_out(STORE, wait),
+        PoolError::Timeout(TimeoutType::Create | TimeoutType::Recycle) => {
+            Error::timed_out(STORE, connect)
+        }
+        PoolError::Closed => Error::unavailable(STORE, e),
         PoolError::PostCreateHook(_) | PoolError::NoRuntimeSpecified => Error::backend(STORE, e),
     }
 }
@@ -143,6 +149,26 @@ pub struct Contention(pub u32);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pool_timeouts_name_the_bound_that_ran_out() {
+        let (wait, connect) = (Duration::from_millis(700), Duration::from_secs(3));
+        for (kind, after) in [
+            (TimeoutType::Wait, wait),
+            (TimeoutType::Create, connect),
+            (TimeoutType::Recycle, connect),
+        ] {
+            match map_pool(PoolError::Timeout(kind), wait, connect) {
+                Error::Unavailable { source, .. } => {
+                    let timed_out = source
+                        .downcast_ref::<idem_core::TimedOut>()
+                        .unwrap_or_else(|| panic!("{kind:?}: {source}"));
+                    assert_eq!(timed_out.after, after, "{kind:?}");
+                }
+                other => panic!("{kind:?}: {other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn retryable_states() {

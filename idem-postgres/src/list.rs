@@ -159,10 +159,14 @@ impl PostgresStore {
         let args = Args::new(query);
         let stmt = &self.inner.list;
         let mut records: Vec<Record> = Vec::new();
+        // The state of the last record listed (where the next page resumes).
+        let mut last_state = first;
         for state in wanted.into_iter().filter(|&s| s >= first) {
             if state != first {
                 after.clear();
             }
+            // One row more than the page has room for: the cursor is given only when a record
+            // follows (on a full page, the next states are asked for one row each).
             let room = query.limit - records.len();
             let statuses = args.statuses_for(state);
             let rows = self
@@ -176,16 +180,16 @@ impl PostgresStore {
                         &args.owner,
                         &args.max_attempts,
                         &statuses,
-                        &(room as i64),
+                        &(room as i64 + 1),
                     ],
                 )
                 .await?;
-            let full = rows.len() == room;
-            for row in &rows {
+            for row in rows.iter().take(room) {
                 records.push(self.list_record(query, row)?);
+                last_state = state;
             }
-            if full {
-                let next = records.last().map(|r| encode(state, r.key.id()));
+            if rows.len() > room {
+                let next = records.last().map(|r| encode(last_state, r.key.id()));
                 return Ok(Page::new(records, next));
             }
         }

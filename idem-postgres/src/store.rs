@@ -193,7 +193,7 @@ impl PostgresStore {
 
     async fn migrate_unbounded(&self) -> Result<MigrationReport> {
         let n = &self.inner.names;
-        let mut client = self.inner.pool.get().await.map_err(map_pool)?;
+        let mut client = self.inner.pool.get().await.map_err(|e| self.map_pool(e))?;
         let tx = client.transaction().await.map_err(map_pg)?;
         tx.execute(
             "SELECT pg_advisory_xact_lock($1::bigint)",
@@ -293,9 +293,15 @@ impl PostgresStore {
         }
     }
 
+    /// A pool error, with this store's bounds.
+    fn map_pool(&self, e: deadpool_postgres::PoolError) -> Error {
+        let c = &self.inner.config;
+        map_pool(e, c.pool_wait_timeout, c.connect_timeout)
+    }
+
     /// Takes a pooled connection.
     pub(crate) async fn conn(&self) -> Result<Object> {
-        self.inner.pool.get().await.map_err(map_pool)
+        self.inner.pool.get().await.map_err(|e| self.map_pool(e))
     }
 
     /// Runs one cached, prepared statement on a pooled connection, bounded by the client-side

@@ -155,3 +155,47 @@ async fn pages_cross_states_without_losses_or_repeats() {
     }
     assert_eq!(count, 34);
 }
+
+/// A page that ends with the last matching record carries no cursor, also when the page fills
+/// exactly at the end of a state and the later states hold nothing wanted; a page with more
+/// after it (in its state or a later one) does.
+#[tokio::test]
+async fn a_cursor_only_when_a_record_follows() {
+    let Some((store, schema)) = store("exact").await else {
+        return;
+    };
+    let ns = Namespace::new("exact").unwrap();
+    insert(&schema, "exact", ns.as_str(), "completed", "c", 6).await;
+    insert(&schema, "exact", ns.as_str(), "failed_terminal", "t", 3).await;
+    let page = |query: ListQuery| {
+        let store = store.clone();
+        async move { store.list(&query).await.unwrap() }
+    };
+    let all = page(ListQuery::new(ns.clone()).with_limit(9)).await;
+    assert_eq!((all.records.len(), all.next.is_none()), (9, true));
+    // Full at the end of `completed`: `failed_terminal` follows.
+    let first = page(ListQuery::new(ns.clone()).with_limit(6)).await;
+    assert_eq!(first.records.len(), 6);
+    assert!(first.next.is_some(), "failed_terminal records follow");
+    let rest = page(
+        ListQuery::new(ns.clone())
+            .with_limit(6)
+            .with_cursor(first.next),
+    )
+    .await;
+    assert_eq!((rest.records.len(), rest.next.is_none()), (3, true));
+    // Full at the end of `completed` with nothing wanted after it.
+    let completed = page(
+        ListQuery::new(ns.clone())
+            .with_statuses([Status::Completed])
+            .with_limit(6),
+    )
+    .await;
+    assert_eq!(
+        (completed.records.len(), completed.next.is_none()),
+        (6, true)
+    );
+    // Full inside a state.
+    let part = page(ListQuery::new(ns).with_limit(5)).await;
+    assert_eq!((part.records.len(), part.next.is_some()), (5, true));
+}

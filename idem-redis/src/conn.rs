@@ -60,6 +60,7 @@ impl Conn {
         let manager = bounded(STANDALONE, config.operation_timeout, connect)
             .await
             .map_err(|e| config_error(url, e))?;
+        refuse_cluster_node(&manager, url, config.operation_timeout).await?;
         Ok(Self::Single(manager))
     }
 
@@ -445,12 +446,88 @@ fn certificates(pem: &[u8]) -> redis::TlsCertificates {
 fn invalid_url(url: &str, e: RedisError) -> Error {
     // The URL may hold a password: name only its scheme.
     let scheme = url.split("://").next().unwrap_or("?");
+    let hint = if cfg!(feature = "tls") || !scheme.eq_ignore_ascii_case("rediss") {
+        ""
+    } else {
+        "; rediss:// needs this crate's `tls` feature"
+    };
     Error::invalid(
         "url",
-        format!(
-            "cannot use this {scheme}:// address ({e}); for rediss:// enable the `tls` feature"
-        ),
+        format!("cannot use this {scheme}:// address ({e}){hint}"),
     )
+}
+
+/// Refuses a server that runs in cluster mode with its slots spread over several primaries: one
+/// connection to one node would see only that node's keys (a listing would silently miss the
+/// rest, and every other key would answer `MOVED`). Asks `INFO cluster`, then `CLUSTER SLOTS`:
+/// a cluster whose every slot range has one primary (a single shard) loses nothing and is let
+/// through. A server that refuses either command (an ACL, a renamed command, a proxy) or answers
+/// in a way not understood cannot be told apart and is let through too: this guard never stops a
+/// setup it cannot judge.
+async fn refuse_cluster_node(
+    manager: &ConnectionManager,
+    url: &str,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let mut conn = manager.clone();
+    let mut info = redis::cmd("INFO");
+    info.arg("cluster");
+    let enabled = match bounded(STANDALONE, timeout, info.query_async::<String>(&mut conn)).await {
+        Ok(info) => info.lines().any(|line| line.trim() == "cluster_enabled:1"),
+        Err(e) => {
+            tracing::debug!(error = %e, "INFO cluster refused; cannot tell whether this is a cluster node");
+            false
+        }
+    };
+    if !enabled {
+        return Ok(());
+    }
+    let mut slots = redis::cmd("CLUSTER");
+    slots.arg("SLOTS");
+    let primaries = match bounded(STANDALONE, timeout, slots.query_async::<Value>(&mut conn)).await
+    {
+        Ok(reply) => slot_primaries(&reply),
+        Err(e) => {
+            tracing::debug!(error = %e, "CLUSTER SLOTS refused; cannot tell how the slots are spread");
+            None
+        }
+    };
+    match primaries {
+        Some(n) if n > 1 => {
+            let scheme = url.split("://").next().unwrap_or("?");
+            Err(Error::invalid(
+                "url",
+                format!(
+                    "this {scheme}:// address is a node of a Redis Cluster whose slots {n} \
+                     primaries serve (cluster_enabled:1): connect with \
+                     RedisStore::connect_cluster (redis+cluster:// in the CLI)"
+                ),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// How many distinct primaries (address and port) a `CLUSTER SLOTS` reply names; `None` for a
+/// reply of another shape.
+fn slot_primaries(reply: &Value) -> Option<usize> {
+    let Value::Array(ranges) = reply else {
+        return None;
+    };
+    let mut primaries = std::collections::HashSet::new();
+    for range in ranges {
+        let Value::Array(parts) = range else {
+            return None;
+        };
+        let Some(Value::Array(primary)) = parts.get(2) else {
+            return None;
+        };
+        let (Some(host), Some(port)) = (primary.first(), primary.get(1)) else {
+            return None;
+        };
+        primaries.insert(format!("{host:?}:{port:?}"));
+    }
+    Some(primaries.len())
 }
 
 /// Maps a driver error: anything that says the server could not be reached or is not serving
@@ -460,12 +537,35 @@ fn invalid_url(url: &str, e: RedisError) -> Error {
 pub(crate) fn map_error(store: &'static str, e: RedisError) -> Error {
     if is_unavailable(&e) {
         Error::unavailable(store, e)
+    } else if e.kind() == ErrorKind::Parse {
+        // A reply that is not RESP: most often the URL names another kind of server (an AMQP
+        // or HTTP port), whose greeting the driver reports as "Incompatible type - Parse error".
+        Error::backend(
+            store,
+            format!(
+                "the reply is not the Redis protocol (is it a Redis server at that address?): {e}"
+            ),
+        )
     } else {
         Error::backend(store, e)
     }
 }
 
 fn is_unavailable(e: &RedisError) -> bool {
+    !login_refused(e) && is_outage(e)
+}
+
+/// A refused login (a wrong password or user) is no outage, on one server as on a cluster,
+/// whose driver reports a login refused by every node as an I/O error (`Failed to create
+/// initial connections`) that names `AuthenticationFailed` only in its detail.
+fn login_refused(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::AuthenticationFailed
+        || e.code() == Some("WRONGPASS")
+        || e.detail()
+            .is_some_and(|d| d.contains("AuthenticationFailed") || d.contains("WRONGPASS"))
+}
+
+fn is_outage(e: &RedisError) -> bool {
     e.is_io_error()
         || e.is_timeout()
         || e.is_connection_refusal()
@@ -527,6 +627,66 @@ mod tests {
             map_error(STANDALONE, script),
             Error::Backend { .. }
         ));
+    }
+
+    #[test]
+    fn slot_primaries_counts_the_distinct_primaries() {
+        let node = |port: i64| {
+            Value::Array(vec![
+                Value::BulkString(b"127.0.0.1".to_vec()),
+                Value::Int(port),
+                Value::BulkString(b"id".to_vec()),
+            ])
+        };
+        let range = |from: i64, to: i64, port: i64| {
+            Value::Array(vec![
+                Value::Int(from),
+                Value::Int(to),
+                node(port),
+                node(port + 100),
+            ])
+        };
+        let one_shard = Value::Array(vec![range(0, 8000, 7001), range(8001, 16383, 7001)]);
+        assert_eq!(slot_primaries(&one_shard), Some(1));
+        let three = Value::Array(vec![
+            range(0, 5460, 7001),
+            range(5461, 10922, 7002),
+            range(10923, 16383, 7003),
+        ]);
+        assert_eq!(slot_primaries(&three), Some(3));
+        assert_eq!(slot_primaries(&Value::Okay), None);
+        assert_eq!(
+            slot_primaries(&Value::Array(vec![Value::Array(vec![Value::Int(0)])])),
+            None
+        );
+    }
+
+    #[test]
+    fn a_refused_login_is_backend_on_one_server_and_on_a_cluster() {
+        let single = RedisError::from((
+            ErrorKind::AuthenticationFailed,
+            "Password authentication failed",
+        ));
+        let cluster = RedisError::from((
+            ErrorKind::Io,
+            "Failed to create initial connections",
+            "Io: Password authentication failed - AuthenticationFailed".to_owned(),
+        ));
+        assert!(cluster.is_io_error());
+        let wrongpass = redis::make_extension_error(
+            "WRONGPASS".to_owned(),
+            Some("invalid username-password pair or user is disabled.".to_owned()),
+        );
+        for (store, e) in [
+            (STANDALONE, single),
+            (CLUSTER, cluster),
+            (STANDALONE, wrongpass),
+        ] {
+            assert!(
+                matches!(map_error(store, e), Error::Backend { .. }),
+                "{store}"
+            );
+        }
     }
 
     #[test]

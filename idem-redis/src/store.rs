@@ -62,8 +62,11 @@ impl RedisStore {
     /// by itself after a drop.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] (field `url`) for an address the driver cannot use;
-    /// [`Error::Unavailable`] when the server cannot be reached within the configured timeouts.
+    /// [`Error::InvalidInput`] (field `url`) for an address the driver cannot use, or for a
+    /// node of a cluster whose slots more than one primary serves (`INFO cluster` says
+    /// `cluster_enabled:1` and `CLUSTER SLOTS` names several primaries: use
+    /// [`connect_cluster`](Self::connect_cluster)); [`Error::Unavailable`] when the server cannot
+    /// be reached within the configured timeouts.
     pub async fn connect(url: &str) -> Result<Self> {
         Self::connect_with(url, RedisConfig::default()).await
     }

@@ -591,6 +591,38 @@ mod standalone {
         super::unreachable_is_unavailable_quickly(common::unreachable(), "redis").await;
     }
 
+    /// A URL naming another kind of server (here one that answers like an HTTP server) is a
+    /// `Backend` error that says so, not the driver's bare "Incompatible type - Parse error".
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_that_is_not_redis_is_named_as_such() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 1024];
+                    let _ = socket.read(&mut buf).await;
+                    let _ = socket
+                        .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                        .await;
+                });
+            }
+        });
+        // Whichever call first reads a reply meets it.
+        let r = match RedisStore::connect(&format!("redis://{addr}")).await {
+            Ok(store) => store.get(&ns().key("k").unwrap()).await.map(drop),
+            Err(e) => Err(e),
+        };
+        match r {
+            Err(e @ Error::Backend { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains("not the Redis protocol"), "{text}");
+            }
+            other => panic!("expected Backend, got {other:?}"),
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bad_url_is_invalid_input() {
         let r = RedisStore::connect("http://127.0.0.1:6379").await;
@@ -670,6 +702,51 @@ mod cluster {
             assert_eq!(slots[id], slots["{a}"], "{id:?}");
         }
         assert_ne!(slots["{b}{a}"], slots["{a}"]);
+    }
+
+    /// A standalone connection to a cluster node would see one node's slots only (a listing
+    /// would silently miss the others' records): connecting refuses it as a wrong address.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_standalone_connection_to_a_cluster_node_is_refused() {
+        if common::cluster().await.is_none() {
+            return;
+        }
+        for node in common::cluster_nodes() {
+            match RedisStore::connect(&node).await {
+                Err(idem_core::Error::InvalidInput { field, reason }) => {
+                    assert_eq!(field, "url");
+                    assert!(reason.contains("cluster_enabled:1"), "{reason}");
+                    assert!(reason.contains("connect_cluster"), "{reason}");
+                }
+                other => panic!("{node}: expected a refused url, got {other:?}"),
+            }
+        }
+    }
+
+    /// A wrong password is the same answer as on one server: a backend error (no outage to
+    /// wait out), not `Unavailable`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wrong_password_is_a_backend_error() {
+        if common::cluster().await.is_none() {
+            return;
+        }
+        let nodes: Vec<String> = common::cluster_nodes()
+            .iter()
+            .map(|n| n.replacen("redis://", "redis://:wrong-password@", 1))
+            .collect();
+        let r = RedisStore::connect_cluster(&nodes).await;
+        assert!(
+            matches!(r, Err(idem_core::Error::Backend { .. })),
+            "{:?}",
+            r.err()
+        );
+        let single = common::cluster_nodes()[0].replacen("redis://", "redis://:wrong-password@", 1);
+        let r = RedisStore::connect(&single).await;
+        assert!(
+            matches!(r, Err(idem_core::Error::Backend { .. })),
+            "{:?}",
+            r.err()
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -57,9 +57,13 @@ pub struct SqliteBackend {
 struct Shared {
     path: PathBuf,
     options: SqliteOptions,
-    writer: Mutex<Connection>,
+    /// The one write connection. A write waits for it at most the busy timeout
+    /// (`try_lock_for`), and parking_lot's eventual fairness keeps a waiting write from being
+    /// passed over for long.
+    writer: parking_lot::Mutex<Connection>,
     readers: Mutex<Vec<Connection>>,
     statements: AtomicU64,
+    created_table: bool,
 }
 
 impl fmt::Debug for SqliteBackend {
@@ -77,26 +81,38 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Maps a SQLite error to the contract's: locks held past the busy timeout and I/O trouble are
-/// `Unavailable`; a missing table (or one of another shape) is `NotSetUp`; the rest `Backend`.
+/// Maps a SQLite error to the contract's: locks held past the busy timeout, I/O trouble and a
+/// database that cannot be written (a read-only file) are `Unavailable`; a missing table (or
+/// one of another shape) is `NotSetUp`; the rest `Backend`.
 pub(crate) fn classify(e: rusqlite::Error) -> Error {
     use rusqlite::ErrorCode as C;
-    if let rusqlite::Error::SqliteFailure(failure, message) = &e {
-        let message = message.as_deref().unwrap_or("");
-        match failure.code {
-            C::DatabaseBusy | C::DatabaseLocked => return Error::unavailable(NAME, e),
-            C::CannotOpen | C::SystemIoFailure | C::DiskFull | C::OutOfMemory => {
-                return Error::unavailable(NAME, e);
+    match e.sqlite_error_code() {
+        Some(
+            C::DatabaseBusy
+            | C::DatabaseLocked
+            | C::CannotOpen
+            | C::SystemIoFailure
+            | C::DiskFull
+            | C::OutOfMemory
+            | C::ReadOnly,
+        ) => return Error::unavailable(NAME, e),
+        // (rusqlite gives no code for a statement refused while it is prepared.)
+        Some(C::Unknown) | None => {
+            // A statement that does not compile against the table: the table is missing or
+            // has another shape (a failure while running, or while preparing: then rusqlite
+            // names the token as well).
+            let text = e.to_string();
+            if text.starts_with("no such table") {
+                return not_set_up(&text);
             }
-            C::Unknown
-                if message.starts_with("no such table")
-                    || message.starts_with("no such column")
-                    || message.contains("has no column named") =>
+            if text.starts_with("no such column")
+                || text.contains("has no column named")
+                || text.starts_with("ON CONFLICT clause does not match")
             {
-                return not_set_up(message);
+                return other_shape(&text);
             }
-            _ => {}
         }
+        _ => {}
     }
     Error::backend(NAME, e)
 }
@@ -111,6 +127,74 @@ fn not_set_up(what: &str) -> Error {
     )
 }
 
+/// A table of our name that is not ours: `CREATE TABLE IF NOT EXISTS` leaves it as it is.
+fn other_shape(what: &str) -> Error {
+    Error::not_set_up(
+        NAME,
+        format!("table {TABLE:?} of idem's shape (the file's has another: {what})"),
+        format!(
+            "open another file, or rename the table that is there and let open create idem's: \
+             {CREATE_TABLE}"
+        ),
+    )
+}
+
+/// Refuses a table of our name whose columns are not idem's: `key BLOB` (the primary key),
+/// `version INTEGER NOT NULL`, `value BLOB NOT NULL`, and no other column a row must fill.
+fn check_shape(conn: &Connection) -> Result<()> {
+    let mut columns = conn
+        .prepare(
+            "SELECT name, upper(type), \"notnull\", dflt_value IS NOT NULL, pk \
+             FROM pragma_table_info(?1)",
+        )
+        .map_err(classify)?;
+    let columns = columns
+        .query_map([TABLE], |row| {
+            Ok((
+                row.get::<_, String>(0)?,
+                row.get::<_, String>(1)?,
+                row.get::<_, bool>(2)?,
+                row.get::<_, bool>(3)?,
+                row.get::<_, i64>(4)?,
+            ))
+        })
+        .map_err(classify)?
+        .collect::<rusqlite::Result<Vec<_>>>()
+        .map_err(classify)?;
+    let wanted = [
+        ("key", "BLOB", 1),
+        ("version", "INTEGER", 0),
+        ("value", "BLOB", 0),
+    ];
+    for (name, ty, pk) in wanted {
+        match columns.iter().find(|c| c.0.eq_ignore_ascii_case(name)) {
+            None => return Err(other_shape(&format!("no column {name}"))),
+            Some(c) if c.1 != ty || c.4 != pk || (pk == 0 && !c.2) => {
+                return Err(other_shape(&format!(
+                    "column {name} is {}{}{}",
+                    if c.1.is_empty() { "untyped" } else { &c.1 },
+                    if c.2 { " NOT NULL" } else { "" },
+                    if c.4 > 0 { " in the primary key" } else { "" },
+                )));
+            }
+            Some(_) => {}
+        }
+    }
+    if columns.iter().filter(|c| c.4 > 0).count() > 1 {
+        return Err(other_shape("its primary key has more than the key column"));
+    }
+    if let Some(c) = columns
+        .iter()
+        .find(|c| !wanted.iter().any(|w| c.0.eq_ignore_ascii_case(w.0)) && c.2 && !c.3)
+    {
+        return Err(other_shape(&format!(
+            "column {} is NOT NULL without a default",
+            c.0
+        )));
+    }
+    Ok(())
+}
+
 impl SqliteBackend {
     /// Opens (and with [`SqliteOptions::create`], creates) the database at `path`: WAL mode,
     /// the options' busy timeout and durability, the table. Blocks: call it from
@@ -121,25 +205,29 @@ impl SqliteBackend {
 
     fn open_here(path: &Path, options: SqliteOptions) -> Result<Self> {
         let writer = connect(path, &options, options.create).map_err(classify)?;
+        // SQLite opens a file it may not write read-only, without a word: every write would
+        // then fail, while duplicates still answered.
+        if writer.is_readonly(rusqlite::MAIN_DB).map_err(classify)? {
+            return Err(read_only(path));
+        }
         writer
             .pragma_update(None, "journal_mode", "WAL")
             .map_err(classify)?;
+        let found: Option<String> = writer
+            .query_row(
+                "SELECT name FROM sqlite_schema WHERE type = 'table' AND name = ?1",
+                [TABLE],
+                |row| row.get(0),
+            )
+            .optional()
+            .map_err(classify)?;
         if options.create {
             writer.execute_batch(CREATE_TABLE).map_err(classify)?;
-        } else {
-            let found: Option<String> = writer
-                .query_row(
-                    "SELECT name FROM sqlite_schema WHERE type = 'table' AND name = ?1",
-                    [TABLE],
-                    |row| row.get(0),
-                )
-                .optional()
-                .map_err(classify)?;
-            if found.is_none() {
-                return Err(not_set_up("no such table"));
-            }
+        } else if found.is_none() {
+            return Err(not_set_up("no such table"));
         }
-        // Compile every statement once: a table of another shape is refused here.
+        check_shape(&writer)?;
+        // Compile every statement once.
         for sql in [LOAD, INSERT, UPDATE, DELETE, SCAN, SCAN_TO_END] {
             writer.prepare_cached(sql).map_err(classify)?;
         }
@@ -147,9 +235,10 @@ impl SqliteBackend {
             shared: Arc::new(Shared {
                 path: path.to_owned(),
                 options,
-                writer: Mutex::new(writer),
+                writer: parking_lot::Mutex::new(writer),
                 readers: Mutex::default(),
                 statements: AtomicU64::new(0),
+                created_table: found.is_none(),
             }),
         })
     }
@@ -157,6 +246,12 @@ impl SqliteBackend {
     /// The database file.
     pub fn path(&self) -> &Path {
         &self.shared.path
+    }
+
+    /// Whether opening this backend created the table (with [`SqliteOptions::create`], on a
+    /// database that did not have it; another process may have created it at the same moment).
+    pub fn created_table(&self) -> bool {
+        self.shared.created_table
     }
 
     /// How many SQL statements this backend (and its clones) ran for the kit so far: one per
@@ -198,11 +293,38 @@ impl SqliteBackend {
         let shared = self.shared.clone();
         blocking(self.shared.options.offload, move || {
             shared.statements.fetch_add(1, Ordering::Relaxed);
-            let writer = lock(&shared.writer);
-            with_busy_timeout(shared.options.busy_timeout, || f(&writer))
+            // The busy timeout bounds the whole wait: for this process's other writes (queued
+            // behind the one connection) and then for the file lock. Without that, writes queued
+            // behind a lock another process holds would each wait a full timeout in turn: a
+            // heartbeat behind fifteen of them would outlast its lease. A write whose time went
+            // in the queue still tries once, and succeeds where the file lock is free.
+            let queued = Instant::now();
+            let timeout = shared.options.busy_timeout;
+            let Some(writer) = shared.writer.try_lock_for(timeout) else {
+                return Err(rusqlite::Error::SqliteFailure(
+                    rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_BUSY),
+                    Some(format!(
+                        "this process's other writes held the write connection for the busy \
+                         timeout ({timeout:?})"
+                    )),
+                ));
+            };
+            let left = timeout.saturating_sub(queued.elapsed());
+            with_busy_timeout(left, || f(&writer))
         })
         .await
     }
+}
+
+fn read_only(path: &Path) -> Error {
+    Error::unavailable(
+        NAME,
+        format!(
+            "{} can only be read (no write permission on the file, its directory or its -wal \
+             and -shm files)",
+            path.display()
+        ),
+    )
 }
 
 /// Runs a statement off the async runtime's scheduling, as [`Offload`] says.
@@ -382,5 +504,32 @@ mod tests {
         assert_eq!(prefix_end(b"a\xff"), Some(b"b".to_vec()));
         assert_eq!(prefix_end(b"\xff\xff"), None);
         assert_eq!(prefix_end(b""), None);
+    }
+
+    #[test]
+    fn errors_of_the_table_and_the_file_are_classified() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch("CREATE TABLE idem_records (id INTEGER PRIMARY KEY)")
+            .unwrap();
+        // Refused while prepared, and while running.
+        let prepared = conn.prepare(LOAD).map(drop).unwrap_err();
+        assert!(
+            matches!(classify(prepared), Error::NotSetUp { .. }),
+            "a missing column"
+        );
+        let running = conn
+            .execute_batch("INSERT INTO idem_records (id, value) VALUES (1, 2)")
+            .unwrap_err();
+        assert!(
+            matches!(classify(running), Error::NotSetUp { .. }),
+            "a missing column named"
+        );
+        let missing = conn.prepare("SELECT * FROM nowhere").map(drop).unwrap_err();
+        assert!(matches!(classify(missing), Error::NotSetUp { .. }));
+        let read_only = rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_READONLY),
+            Some("attempt to write a readonly database".into()),
+        );
+        assert!(matches!(classify(read_only), Error::Unavailable { .. }));
     }
 }

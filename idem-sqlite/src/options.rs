@@ -41,6 +41,11 @@ pub enum Offload {
     /// `select!` or `join!` around the call) wait for the statement, which is short except
     /// when another process holds the lock (up to the busy timeout). On a current-thread
     /// runtime, falls back to [`Offload::BlockingPool`]. The default.
+    ///
+    /// Not inside a [`tokio::task::LocalSet`]: tokio refuses to block in place there and
+    /// panics, before any statement runs (nothing is written), and gives no way to tell
+    /// beforehand. A consumer that runs its handlers in a `LocalSet` opens the store with
+    /// [`Offload::BlockingPool`].
     #[default]
     InPlace,
     /// Always [`tokio::task::spawn_blocking`]: every statement hops to tokio's blocking pool
@@ -57,9 +62,13 @@ pub struct SqliteOptions {
     /// `false`, a missing table is [`Error::NotSetUp`](idem_core::Error::NotSetUp) (and a
     /// missing file [`Error::Unavailable`](idem_core::Error::Unavailable)). Default `true`.
     pub create: bool,
-    /// How long one statement waits for a lock another process (or a checkpoint) holds before
-    /// it gives up with [`Error::Unavailable`](idem_core::Error::Unavailable) (SQLite's
-    /// `busy_timeout`). Default 5 s.
+    /// How long one statement waits for the locks it needs before it gives up with
+    /// [`Error::Unavailable`](idem_core::Error::Unavailable): the file lock another process
+    /// (or a checkpoint) holds (SQLite's `busy_timeout`), and before it the process's one write
+    /// connection, where writes queue behind each other. The time spent in that queue counts
+    /// against the same timeout, so however many writes are queued, each gives up about one
+    /// timeout after it was sent (a write whose timeout went in the queue still tries once).
+    /// Default 5 s.
     pub busy_timeout: Duration,
     /// Durability of each commit. Default [`Synchronous::Full`].
     pub synchronous: Synchronous,

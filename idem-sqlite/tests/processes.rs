@@ -1,6 +1,7 @@
 //! Several processes on one database file: two processes racing for the same keys (one
 //! winner per key), and a process killed with `SIGKILL` in the middle of its handler, whose key
 //! is taken over once its lease is over, while everything it had completed stays completed.
+//! And a process that may only read the file, whose `open` is refused.
 //!
 //! The processes are this test binary itself, run again with `IDEM_SQLITE_CHILD` set and the
 //! test name `child_process` (which does nothing in a normal run).
@@ -48,6 +49,11 @@ fn child_process() {
         .build()
         .unwrap();
     rt.block_on(async move {
+        if role == "open" {
+            let opened = SqliteStore::open(&db).await;
+            say(&format!("open {:?}", opened.map(drop)));
+            return;
+        }
         let store = SqliteStore::open(&db).await.expect("child open");
         match role.as_str() {
             "race-up" => race(store, owner, false).await,
@@ -345,4 +351,82 @@ async fn a_process_killed_mid_handler_is_taken_over_after_its_lease() {
         .query_row("PRAGMA integrity_check", [], |r| r.get(0))
         .unwrap();
     assert_eq!(check, "ok");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_the_process_may_only_read_is_refused_at_open() {
+    use std::os::unix::fs::PermissionsExt;
+    let db = db_path("read-only");
+    let store = SqliteStore::open(&db).await.unwrap();
+    let lease = match store
+        .acquire(&AcquireRequest::new(ns().key("done").unwrap(), "a"))
+        .await
+        .unwrap()
+    {
+        AcquireOutcome::Acquired { lease, .. } => lease,
+        other => panic!("{other:?}"),
+    };
+    store
+        .complete(&lease, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap();
+    drop(store);
+    let before = std::fs::read(&db).unwrap();
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o444)).unwrap();
+
+    // The child opens the file without the right to write it. Root may write any file: its
+    // child runs without CAP_DAC_OVERRIDE, so the file's mode binds it too.
+    let mut command = if runs_as_root() {
+        let mut c = Command::new("setpriv");
+        c.args(["--bounding-set", "-dac_override", "--"])
+            .arg(std::env::current_exe().unwrap());
+        c
+    } else {
+        Command::new(std::env::current_exe().unwrap())
+    };
+    let out = command
+        .args([
+            "child_process",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "open")
+        .env(DB, &db)
+        .env(OWNER, "ro")
+        .output()
+        .await
+        .expect("run the child (setpriv, from util-linux, when the tests run as root)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let said = stdout
+        .lines()
+        .find_map(|l| l.split_once(MARK).map(|(_, s)| s.to_owned()))
+        .unwrap_or_else(|| {
+            panic!(
+                "the child said nothing: {stdout} {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    assert!(
+        said.starts_with("open Err(Unavailable") && said.contains("can only be read"),
+        "{said}"
+    );
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert_eq!(
+        std::fs::read(&db).unwrap(),
+        before,
+        "the file is left as it was"
+    );
+}
+
+/// Whether this process runs as root (which file modes do not bind).
+fn runs_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|ids| ids.split_whitespace().nth(1).map(|e| e == "0"))
+        })
+        .unwrap_or(false)
 }

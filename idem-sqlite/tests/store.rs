@@ -1,5 +1,7 @@
 //! `SqliteStore` beyond the conformance suite: statements per call, records surviving a
-//! reopen, WAL mode, a locked database, a missing table, files and values that are not ours.
+//! reopen, WAL mode, a locked database, writes queued behind a lock, a missing table, a table of
+//! another shape, files and values that are not ours,
+//! whether opening created the table, a cursor only when a record follows.
 
 mod common;
 
@@ -10,7 +12,7 @@ use common::db_path;
 use idem_core::kit::storage_key;
 use idem_core::{
     AcquireOutcome, AcquireRequest, Bytes, Error, IdempotencyKey, IdempotencyStore, Lease,
-    ManualClock, Namespace,
+    ListQuery, ManualClock, Namespace,
 };
 use idem_sqlite::{SqliteOptions, SqliteStore, Synchronous};
 use rusqlite::Connection;
@@ -163,6 +165,129 @@ async fn a_lock_held_past_the_busy_timeout_is_unavailable_and_duplicates_still_a
     acquired(&store, "fresh", "a").await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_queued_behind_a_held_lock_each_give_up_within_the_busy_timeout() {
+    let path = db_path("queued");
+    let timeout = Duration::from_millis(300);
+    let store = SqliteStore::open_with(&path, SqliteOptions::default().with_busy_timeout(timeout))
+        .await
+        .unwrap();
+    let other = Connection::open(&path).unwrap();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+    // Sixteen writes at once, all behind the process's one write connection. Each used to
+    // wait a full timeout in turn once it reached the connection (up to sixteen timeouts).
+    let calls = (0..16).map(|i| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let r = store
+                .acquire(&AcquireRequest::new(key(&format!("q{i}")), "a"))
+                .await;
+            (r, started.elapsed())
+        })
+    });
+    let mut slowest = Duration::ZERO;
+    for call in futures::future::join_all(calls).await {
+        let (r, waited) = call.unwrap();
+        assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+        slowest = slowest.max(waited);
+    }
+    // Each call: a write, a reload, one more write (`max_ambiguous` 1), the writes bounded
+    // together with their time in the queue.
+    assert!(
+        slowest < timeout * 2 + Duration::from_secs(2),
+        "every queued write gives up within about the timeout, the slowest took {slowest:?}"
+    );
+    other.execute_batch("ROLLBACK").unwrap();
+    for i in 0..16 {
+        acquired(&store, &format!("q{i}"), "a").await;
+    }
+}
+
+/// The `CREATE TABLE` of each table of another shape, and the schema SQLite keeps for it.
+fn schema(path: &std::path::Path) -> Vec<String> {
+    let conn = Connection::open(path).unwrap();
+    let mut stmt = conn
+        .prepare("SELECT name, sql FROM sqlite_schema ORDER BY name")
+        .unwrap();
+    stmt.query_map([], |row| {
+        Ok(format!(
+            "{}: {:?}",
+            row.get::<_, String>(0)?,
+            row.get::<_, Option<String>>(1)?
+        ))
+    })
+    .unwrap()
+    .collect::<rusqlite::Result<_>>()
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_table_of_another_shape_is_not_set_up_and_left_alone() {
+    let shapes = [
+        (
+            "CREATE TABLE idem_records (id INTEGER PRIMARY KEY, payload TEXT)",
+            "no column key",
+        ),
+        (
+            "CREATE TABLE idem_records (key TEXT PRIMARY KEY, version TEXT, value TEXT)",
+            "column key is TEXT",
+        ),
+        (
+            "CREATE TABLE idem_records (key BLOB, version INTEGER NOT NULL, value BLOB NOT NULL)",
+            "column key is BLOB",
+        ),
+        (
+            "CREATE TABLE idem_records (key BLOB NOT NULL, version INTEGER NOT NULL, \
+             value BLOB NOT NULL, PRIMARY KEY (key, version))",
+            "in the primary key",
+        ),
+        (
+            "CREATE TABLE idem_records (key BLOB PRIMARY KEY, version INTEGER, value BLOB NOT NULL)",
+            "column version is INTEGER",
+        ),
+        (
+            "CREATE TABLE idem_records (key BLOB PRIMARY KEY, version INTEGER NOT NULL, \
+             value BLOB NOT NULL, extra INT NOT NULL)",
+            "column extra is NOT NULL without a default",
+        ),
+    ];
+    for (i, (create, says)) in shapes.into_iter().enumerate() {
+        let path = db_path(&format!("shape-{i}"));
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(create)
+            .unwrap();
+        let before = schema(&path);
+        for options in [
+            SqliteOptions::default(),
+            SqliteOptions::default().with_create(false),
+        ] {
+            match SqliteStore::open_with(&path, options).await {
+                Err(e @ Error::NotSetUp { .. }) => {
+                    let text = e.to_string();
+                    assert!(text.contains(says), "{create}: {text}");
+                }
+                other => panic!("{create}: expected NotSetUp, got {other:?}"),
+            }
+        }
+        assert_eq!(schema(&path), before, "{create}: left as it was");
+    }
+
+    // Columns a row need not fill are the operator's business.
+    let path = db_path("shape-extra");
+    Connection::open(&path)
+        .unwrap()
+        .execute_batch(
+            "CREATE TABLE idem_records (key BLOB PRIMARY KEY NOT NULL, version INTEGER NOT NULL, \
+             value BLOB NOT NULL, note TEXT, seen INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID",
+        )
+        .unwrap();
+    let store = SqliteStore::open(&path).await.unwrap();
+    acquired(&store, "k", "a").await;
+}
+
 #[tokio::test]
 async fn a_missing_table_is_not_set_up() {
     let path = db_path("bare");
@@ -289,4 +414,52 @@ async fn purge_turns_expired_records_into_tombstones() {
     let b = acquired(&store, "k000", "b").await;
     assert!(b.token > leases[0].token);
     assert!(store.get(&key("live")).await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn opening_says_whether_it_created_the_table() {
+    let path = db_path("created");
+    let first = SqliteStore::open(&path).await.unwrap();
+    assert!(first.backend().created_table());
+    let again = SqliteStore::open(&path).await.unwrap();
+    assert!(!again.backend().created_table());
+}
+
+/// A page that ends with the namespace's last record carries no cursor; a page with more after
+/// it does, and the next page holds the rest.
+#[tokio::test]
+async fn a_cursor_only_when_a_record_follows() {
+    let store = SqliteStore::open(db_path("cursor")).await.unwrap();
+    for i in 0..5 {
+        let lease = acquired(&store, &format!("r{i}"), "w").await;
+        store
+            .complete(&lease, Bytes::from_static(b"ok"), RETENTION)
+            .await
+            .unwrap();
+    }
+    // Another namespace after this one in key order: its keys are not "more records".
+    let later = Namespace::new("sqlite_later").unwrap().key("x").unwrap();
+    store
+        .acquire(&AcquireRequest::new(later, "w"))
+        .await
+        .unwrap();
+    let ns = Namespace::new("sqlite").unwrap();
+    let whole = store
+        .list(&ListQuery::new(ns.clone()).with_limit(5))
+        .await
+        .unwrap();
+    assert_eq!(whole.records.len(), 5);
+    assert_eq!(whole.next, None, "the last record ends the listing");
+    let first = store
+        .list(&ListQuery::new(ns.clone()).with_limit(4))
+        .await
+        .unwrap();
+    assert_eq!(first.records.len(), 4);
+    let next = first.next.expect("a record follows");
+    let rest = store
+        .list(&ListQuery::new(ns).with_limit(4).with_cursor(Some(next)))
+        .await
+        .unwrap();
+    assert_eq!(rest.records.len(), 1);
+    assert_eq!(rest.next, None);
 }

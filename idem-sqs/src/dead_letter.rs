@@ -27,11 +27,14 @@ pub const ATTR_KEY: &str = broker::HEADER_KEY;
 pub const ATTR_SOURCE_MESSAGE_ID: &str = "idem-dlq-source-message-id";
 /// Attribute listing (comma-separated) the original message attributes that did not fit:
 /// SQS takes at most [`MAX_ATTRIBUTES`] attributes per message, and the runner's own come first.
+/// It names them all when the dead-letter queue refused the message with them as invalid (a
+/// body near the size limit, whose attributes count towards it).
 pub const ATTR_DROPPED: &str = "idem-dlq-dropped-attributes";
 /// The most message attributes SQS takes on one message.
 pub const MAX_ATTRIBUTES: usize = 10;
-/// The longest error text written to [`ATTR_ERROR`], in bytes (the store keeps the whole text).
-pub const MAX_ERROR_LEN: usize = 4096;
+/// The longest error text (or key) written to [`ATTR_ERROR`] (or [`ATTR_KEY`]), in bytes:
+/// [`broker::MAX_HEADER_TEXT`], as every runner writes it.
+pub const MAX_ERROR_LEN: usize = broker::MAX_HEADER_TEXT;
 
 /// `text` as SQS takes it in an attribute value: the characters it refuses (controls other than
 /// tab, line feed and carriage return; U+FFFE, U+FFFF) written as `\u{..}`.
@@ -60,13 +63,14 @@ fn string(value: &str) -> MessageAttributeValue {
 }
 
 /// The dead-letter message's attributes: the runner's first, then the original ones (by name)
-/// while they fit in [`MAX_ATTRIBUTES`]; when some do not, the last place names them
-/// ([`ATTR_DROPPED`]).
+/// while they fit in [`MAX_ATTRIBUTES`] (none unless `originals`); when some do not, the last
+/// place names them ([`ATTR_DROPPED`]).
 pub(crate) fn attributes(
     msg: &SqsMessage,
     info: &DeadLetterInfo,
     attempts: Option<u32>,
     key_id: Option<&str>,
+    originals: bool,
 ) -> HashMap<String, MessageAttributeValue> {
     let mut out = HashMap::with_capacity(MAX_ATTRIBUTES);
     out.insert(ATTR_REASON.to_owned(), string(info.reason.as_str()));
@@ -78,7 +82,11 @@ pub(crate) fn attributes(
     let attempts = attempts_value(attempts);
     out.insert(ATTR_ATTEMPTS.to_owned(), string(&attempts));
     if let Some(key) = key_id.filter(|k| !k.is_empty()) {
-        out.insert(ATTR_KEY.to_owned(), string(&attribute_text(key)));
+        let key = attribute_text(key);
+        out.insert(
+            ATTR_KEY.to_owned(),
+            string(&idem_core::fit_text(&key, MAX_ERROR_LEN)),
+        );
     }
     if !msg.message_id().is_empty() {
         out.insert(ATTR_SOURCE_MESSAGE_ID.to_owned(), string(msg.message_id()));
@@ -93,20 +101,20 @@ pub(crate) fn attributes(
         .unwrap_or_default();
     original.sort_by(|a, b| a.0.cmp(b.0));
     let room = MAX_ATTRIBUTES - out.len();
-    if original.len() <= room {
-        out.extend(original.into_iter().map(|(k, v)| (k.clone(), v.clone())));
-    } else {
-        let dropped: Vec<&str> = original[room - 1..]
+    let kept = match original.len() {
+        _ if !originals => 0,
+        n if n <= room => n,
+        // The last place names the rest.
+        _ => room - 1,
+    };
+    out.extend(
+        original[..kept]
             .iter()
-            .map(|(k, _)| k.as_str())
-            .collect();
-        let dropped = dropped.join(",");
-        out.extend(
-            original[..room - 1]
-                .iter()
-                .map(|(k, v)| (String::clone(k), MessageAttributeValue::clone(v))),
-        );
-        out.insert(ATTR_DROPPED.to_owned(), string(&dropped));
+            .map(|(k, v)| (String::clone(k), MessageAttributeValue::clone(v))),
+    );
+    if kept < original.len() {
+        let dropped: Vec<&str> = original[kept..].iter().map(|(k, _)| k.as_str()).collect();
+        out.insert(ATTR_DROPPED.to_owned(), string(&dropped.join(",")));
     }
     out
 }
@@ -142,6 +150,15 @@ impl DeadLetterQueue {
     }
 }
 
+/// Whether SQS refused a send as invalid (`InvalidParameterValue`: a message over the queue's
+/// size limit, an attribute it does not take), rather than failing to answer.
+pub(crate) fn refused_as_invalid(error: &aws_sdk_sqs::Error) -> bool {
+    use aws_sdk_sqs::error::ProvideErrorMetadata;
+    error
+        .code()
+        .is_some_and(|code| code.starts_with("InvalidParameterValue"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,7 +192,7 @@ mod tests {
             error: "fingerprint\u{0} conflict".into(),
             attempts: Some(0),
         };
-        let attrs = attributes(&msg, &info, Some(0), Some("tx-1"));
+        let attrs = attributes(&msg, &info, Some(0), Some("tx-1"), true);
         assert_eq!(attrs.len(), MAX_ATTRIBUTES);
         assert_eq!(text(&attrs, ATTR_REASON).as_deref(), Some("conflict"));
         assert_eq!(
@@ -197,9 +214,28 @@ mod tests {
                 .build(),
             "http://q",
         );
-        let attrs = attributes(&few, &info, None, None);
+        let attrs = attributes(&few, &info, None, None, true);
         assert_eq!(text(&attrs, ATTR_ATTEMPTS).as_deref(), Some("unknown"));
         assert_eq!(text(&attrs, "idempotency-key").as_deref(), Some("tx-2"));
         assert!(!attrs.contains_key(ATTR_DROPPED) && !attrs.contains_key(ATTR_KEY));
+    }
+
+    #[test]
+    fn a_long_error_and_key_are_cut() {
+        let msg = SqsMessage::new(Received::builder().message_id("m-1").build(), "http://q");
+        let info = DeadLetterInfo {
+            reason: DeadLetterReason::InvalidKey,
+            error: "e".repeat(100_000),
+            attempts: Some(0),
+        };
+        let attrs = attributes(&msg, &info, Some(0), Some(&"k".repeat(100_000)), true);
+        for name in [ATTR_ERROR, ATTR_KEY] {
+            let value = text(&attrs, name).unwrap();
+            assert!(
+                value.len() <= MAX_ERROR_LEN && value.ends_with('…'),
+                "{name}: {} bytes",
+                value.len()
+            );
+        }
     }
 }

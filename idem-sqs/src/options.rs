@@ -60,10 +60,11 @@ pub struct RunnerOptions {
     /// and its message is made visible again at once; a running handler gets
     /// [`orphan_timeout`](Self::orphan_timeout).
     pub drain_timeout: Duration,
-    /// How long a handler still running at the drain timeout may go on (default 10 s): it is
-    /// signalled through its context's cancellation token half-way, and dropped at the end with
-    /// its lease left to expire (never released once it started); SQS delivers its message again
-    /// once its visibility passes.
+    /// Twice how long a handler still running at the drain timeout may go on (default 10 s):
+    /// half-way its context's cancellation token is cancelled, which the executor reads as a
+    /// lost lease (it drops the handler unless it returns in that same poll, recording nothing);
+    /// its lease is left to expire (never released once it started), and SQS delivers its
+    /// message again once its visibility passes.
     pub orphan_timeout: Duration,
     /// Longest wait for the release of a lease whose handler had not started at the drain
     /// timeout (default 5 s, below [`orphan_timeout`](Self::orphan_timeout)).

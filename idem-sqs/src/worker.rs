@@ -202,7 +202,8 @@ where
             .execution
             .dead_letter_attempts(info, key_id.as_deref())
             .await;
-        let attributes = dead_letter::attributes(msg, info, attempts, key_id.as_deref());
+        let mut attributes = dead_letter::attributes(msg, info, attempts, key_id.as_deref(), true);
+        let mut originals_kept = msg.attributes().is_some_and(|a| !a.is_empty());
         loop {
             match self
                 .dead_letter
@@ -222,6 +223,12 @@ where
                         "message dead-lettered"
                     );
                     return;
+                }
+                Err(e) if originals_kept && dead_letter::refused_as_invalid(&e) => {
+                    tracing::warn!(error = %e, "the dead-letter queue refused the message with its original attributes: sending it with the runner's only, naming the others");
+                    attributes =
+                        dead_letter::attributes(msg, info, attempts, key_id.as_deref(), false);
+                    originals_kept = false;
                 }
                 Err(e) => {
                     RunnerStats::count(

@@ -199,6 +199,52 @@ async fn acknowledges_replays_and_dead_letters_with_reasons() {
     assert!(!missing.attributes.contains_key(ATTR_KEY));
 }
 
+/// A message near the size limit (1 MiB on LocalStack; attributes count towards it) is
+/// dead-lettered: refused with its original attributes plus the runner's, it is sent again with
+/// the runner's only, naming the others. Before, the send was refused every second, forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_refused_as_too_large_goes_without_the_original_attributes() {
+    if !localstack() {
+        return;
+    }
+    init_tracing();
+    let sqs = client();
+    let queue = queue(&sqs, "idem-runner-large", false).await;
+    let dlq = common::queue(&sqs, "idem-runner-large-dlq", false).await;
+    let handler = |_msg: SqsMessage, _ctx: HandlerContext| async {
+        Err::<(), _>(HandlerError::terminal("malformed amount"))
+    };
+    let executor = Executor::new(Arc::new(MemoryStore::new()), config("large")).unwrap();
+    let running = start(executor, &queue, &dlq, options(), handler);
+    let stats = Arc::clone(&running.1);
+    let body = "x".repeat(1_040_000);
+    // The original fits with 90 bytes to spare; the runner's attributes take about 180.
+    let blob = "y".repeat(8_450);
+    send(
+        &sqs,
+        &queue,
+        &[Out::keyed("big", body.as_str()).attr("blob", &blob)],
+    )
+    .await;
+    let resolved = wait_for(Duration::from_secs(30), || async {
+        stats.dead_lettered() == 1
+    })
+    .await;
+    assert!(resolved, "{stats:?}");
+    assert_eq!(stats.dead_letter_failures(), 0, "{stats:?}");
+    stop(running).await;
+
+    let dead: Vec<In> = read_out(&sqs, &dlq, Duration::from_secs(1)).await;
+    assert_eq!(dead.len(), 1);
+    let d = &dead[0];
+    assert_eq!(d.body.len(), body.len(), "the body whole");
+    assert_eq!(d.attributes[ATTR_REASON], "failed");
+    assert_eq!(d.attributes[ATTR_KEY], "big");
+    assert_eq!(d.attributes[idem_sqs::ATTR_DROPPED], "blob,idempotency-key");
+    assert!(!d.attributes.contains_key("blob"));
+    assert_eq!(counts(&sqs, &queue).await, (0, 0));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_comes_back_after_the_retry_delay_not_the_visibility_timeout() {
     if !localstack() {

@@ -71,7 +71,8 @@ jar_dir=$(dirname "$jar")
 say "starting DynamoDB Local ($jar_dir) on $url, in memory"
 (
   cd "$jar_dir"
-  exec nohup java -Xmx1g -Djava.library.path="$jar_dir/DynamoDBLocal_lib" \
+  exec nohup java -Xmx1g -XX:ErrorFile="$run_dir/dynamo-jvm-crash-%p.log" \
+    -Djava.library.path="$jar_dir/DynamoDBLocal_lib" \
     -jar "$jar" -inMemory -port "$port" </dev/null >"$log" 2>&1
 ) &
 pid=$!

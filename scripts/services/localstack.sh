@@ -110,11 +110,27 @@ answers() {
     grep -qE '"sqs": *"(running|available)"' <<<"$health"
 }
 
+# Serves one DynamoDB and one SQS request, waiting as long as they take. A LocalStack that has
+# just come up takes seconds over its first requests of each service (longer than the clients'
+# timeouts: the first tests' requests timed out); after these, requests take milliseconds.
+warm_up() {
+  local service target
+  for service in dynamodb:DynamoDB_20120810.ListTables sqs:AmazonSQS.ListQueues; do
+    target=${service#*:}
+    service=${service%%:*}
+    curl -s --fail --max-time 120 -o /dev/null -X POST "$url/" \
+      -H 'Content-Type: application/x-amz-json-1.0' -H "X-Amz-Target: $target" \
+      -H "Authorization: AWS4-HMAC-SHA256 Credential=test/20260101/us-east-1/$service/aws4_request, SignedHeaders=host, Signature=0" \
+      -d '{}' || return 1
+  done
+}
+
 # One start at a time (two services.sh runs at once would both install and start).
 exec 9>"$run_dir/localstack.lock"
 flock 9
 
 if answers; then
+  warm_up || die "LocalStack on $url answers its health check but not a DynamoDB or SQS request"
   say "already answering on $url (reused)"
   exit 0
 fi
@@ -252,5 +268,6 @@ for _ in $(seq 1 $((health_timeout * 2))); do
   sleep 0.5
 done
 answers && [ -n "$java" ] || give_up "LocalStack did not answer with DynamoDB and SQS within $health_timeout s"
+warm_up || give_up "LocalStack did not serve a first DynamoDB and SQS request"
 elapsed=$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-say "up on $url in $elapsed s (pid $pid, DynamoDB Local pid $java, log $log)"
+say "up on $url in $elapsed s, first requests served (pid $pid, DynamoDB Local pid $java, log $log)"

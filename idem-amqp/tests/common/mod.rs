@@ -133,6 +133,8 @@ pub async fn cleanup(url: &str, topology: &QueueTopology) {
 pub struct Msg {
     pub key: Option<String>,
     pub body: String,
+    /// Headers besides the key.
+    pub headers: Vec<(String, AMQPValue)>,
 }
 
 impl Msg {
@@ -140,6 +142,7 @@ impl Msg {
         Self {
             key: Some(key.to_owned()),
             body: body.into(),
+            headers: Vec::new(),
         }
     }
 }
@@ -156,12 +159,17 @@ pub async fn publish(url: &str, queue: &str, msgs: &[Msg]) {
         let mut props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type("application/json".into());
+        let mut headers = FieldTable::default();
         if let Some(k) = &m.key {
-            let mut headers = FieldTable::default();
             headers.insert(
                 ShortString::from("idempotency-key"),
                 AMQPValue::LongString(LongString::from(k.as_str())),
             );
+        }
+        for (name, value) in &m.headers {
+            headers.insert(ShortString::from(name.as_str()), value.clone());
+        }
+        if !headers.inner().is_empty() {
             props = props.with_headers(headers);
         }
         let confirm = ch

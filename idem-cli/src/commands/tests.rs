@@ -276,6 +276,19 @@ async fn release_stuck_releases_only_leases_expired_long_enough() {
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert_eq!(lines[0]["id"], "stuck");
     assert_eq!(lines[0]["outcome"], "released");
+    // The record's fields in their usual order (no status), the outcome last.
+    let fields: Vec<&str> = lines[0]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(fields[..3], ["namespace", "id", "state"], "{fields:?}");
+    assert_eq!(
+        fields[fields.len() - 2..],
+        ["failure_kind", "outcome"],
+        "{fields:?}"
+    );
     let after = store.get(&stuck.key).await.unwrap().unwrap();
     assert_eq!(after.state, RecordState::Released);
     let live = store

@@ -216,7 +216,9 @@ pub trait CasBackend: Send + Sync + Debug + 'static {
 
     /// Up to `limit` keys that start with `prefix` and sort after `after` (byte order; `None`:
     /// from the first), in ascending byte order, with their values and versions. Fewer than
-    /// `limit` means there are no more. Used by [`list`](crate::IdempotencyStore::list) (the
+    /// `limit` means there are no more, so a backend must not cap `limit` (a listing asks for
+    /// one key more than its page, up to [`MAX_PAGE`](crate::MAX_PAGE) + 1, to tell whether a
+    /// key follows). Used by [`list`](crate::IdempotencyStore::list) (the
     /// prefix of one namespace) and [`purge_expired`](crate::IdempotencyStore::purge_expired)
     /// (every key: an empty prefix); it needs no snapshot: a key written meanwhile may or may
     /// not show.

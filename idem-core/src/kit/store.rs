@@ -261,7 +261,7 @@ impl<B: CasBackend> IdempotencyStore for KitStore<B> {
     }
 
     /// One [`scan`](CasBackend::scan) of the namespace's keys from the cursor, `limit` keys
-    /// long, filtered here: a page may hold fewer records than the limit (tombstones, records
+    /// long (it asks for one more, to give a cursor only when a key follows), filtered here: a page may hold fewer records than the limit (tombstones, records
     /// past retention and records that do not match are skipped) while more follow. Keys come in
     /// byte order; the cursor is the last key scanned, in hexadecimal. A value that does not
     /// decode fails the page with [`Error::CorruptRecord`].
@@ -279,9 +279,10 @@ impl<B: CasBackend> IdempotencyStore for KitStore<B> {
             ),
         };
         let now = self.now().await?;
-        let scanned = match self
+        // One key more than the page reads: the cursor is given only when a key follows.
+        let mut scanned = match self
             .backend
-            .scan(&prefix, after.as_deref(), query.limit)
+            .scan(&prefix, after.as_deref(), query.limit + 1)
             .await
         {
             Err(Error::Unsupported { .. }) => {
@@ -292,7 +293,9 @@ impl<B: CasBackend> IdempotencyStore for KitStore<B> {
             }
             other => other?,
         };
-        let next = (scanned.len() >= query.limit)
+        let more = scanned.len() > query.limit;
+        scanned.truncate(query.limit);
+        let next = more
             .then(|| scanned.last().map(|s| Cursor::new(hex::encode(&s.key))))
             .flatten();
         let mut records = Vec::new();

@@ -67,7 +67,7 @@ pub async fn store_with(config: DynamoConfig) -> Option<DynamoStore> {
     let store = DynamoStore::connect(config)
         .await
         .unwrap_or_else(|e| panic!("building the DynamoDB store failed: {e:?}"));
-    if let Err(e) = store.create_table_if_missing().await {
+    if let Err(e) = prepare_table(&store).await {
         panic!(
             "DynamoDB at {} could not prepare the test table: {e}. Is it DynamoDB? Start \
              DynamoDB Local with `scripts/services.sh dynamo`, or set {ENDPOINT_VAR} to a \
@@ -77,6 +77,23 @@ pub async fn store_with(config: DynamoConfig) -> Option<DynamoStore> {
     }
     store.requests().reset();
     Some(store)
+}
+
+/// Creates `store`'s table if it is missing. A server that has just started (or a loaded
+/// machine) may take longer than the client's timeouts over its first requests: those that come
+/// back `Unavailable` go again, for a minute at most.
+pub async fn prepare_table(store: &DynamoStore) -> idem_core::Result<bool> {
+    use backon::{ExponentialBuilder, Retryable};
+    (|| store.create_table_if_missing())
+        .retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(200))
+                .with_max_delay(Duration::from_secs(5))
+                .with_total_delay(Some(Duration::from_secs(60)))
+                .without_max_times(),
+        )
+        .when(|e| matches!(e, idem_core::Error::Unavailable { .. }))
+        .await
 }
 
 /// A store on this process's table (see [`store_with`]).

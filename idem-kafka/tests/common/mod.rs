@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
@@ -356,13 +357,46 @@ pub fn shared(store: impl idem_core::IdempotencyStore) -> DynStore {
     Arc::new(store)
 }
 
-/// The value of header `name`, as text.
+/// The value of header `name`, as text. Headers whose names rdkafka cannot read (not UTF-8: it
+/// panics on them) are skipped.
 pub fn header(m: &OwnedMessage, name: &str) -> Option<String> {
-    m.headers()?
-        .iter()
-        .find(|h| h.key == name)
-        .and_then(|h| h.value)
+    let headers = m.headers()?;
+    (0..headers.count())
+        .find_map(|i| {
+            let h = catch_unwind(AssertUnwindSafe(|| headers.try_get(i))).ok()??;
+            (h.key == name).then_some(h.value).flatten()
+        })
         .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// Headers holding first a header whose name is not UTF-8, as any producer may send, then
+/// `idempotency-key: key` when `key` is given. rdkafka's safe API takes names as `&str`, so the
+/// first one is added through librdkafka itself.
+#[allow(unsafe_code)]
+pub fn headers_with_a_name_that_is_not_utf8(key: Option<&str>) -> OwnedHeaders {
+    use idem_kafka::rdkafka::bindings::{rd_kafka_header_add, rd_kafka_resp_err_t};
+    let headers = OwnedHeaders::new();
+    let (name, value) = (b"\xff\xfe", b"v");
+    // SAFETY: `as_borrowed` is rdkafka's view of this `rd_kafka_headers_t`, at its address
+    // (rdkafka casts it back to the native pointer the same way); librdkafka copies the name
+    // and the value, whose lengths are given.
+    let err = unsafe {
+        rd_kafka_header_add(
+            std::ptr::from_ref(headers.as_borrowed()).cast_mut().cast(),
+            name.as_ptr().cast(),
+            name.len().try_into().unwrap(),
+            value.as_ptr().cast(),
+            value.len().try_into().unwrap(),
+        )
+    };
+    assert_eq!(err, rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR);
+    match key {
+        Some(key) => headers.insert(Header {
+            key: "idempotency-key",
+            value: Some(key),
+        }),
+        None => headers,
+    }
 }
 
 /// Polls `cond` every 50 ms until it holds or `timeout` passes; returns whether it held.

@@ -83,6 +83,21 @@ pub async fn create_streams(js: &jetstream::Context, name: &str) {
     }
 }
 
+/// What a runner test starts from: the client, its JetStream context and a fresh name
+/// (`<prefix>_<unique>`) whose streams are created; `None` (the test skips) when NATS or Redis
+/// does not answer, outside CI.
+pub async fn streams_for(prefix: &str) -> Option<(async_nats::Client, jetstream::Context, String)> {
+    if !nats_and_redis() {
+        return None;
+    }
+    init_tracing();
+    let client = connect(&nats_url()).await;
+    let js = jetstream::new(client.clone());
+    let name = unique(prefix);
+    create_streams(&js, &name).await;
+    Some((client, js, name))
+}
+
 pub async fn delete_streams(js: &jetstream::Context, name: &str) {
     let _ = js.delete_stream(name).await;
     let _ = js.delete_stream(format!("{name}_dlq")).await;
@@ -93,6 +108,8 @@ pub async fn delete_streams(js: &jetstream::Context, name: &str) {
 pub struct Msg {
     pub key: String,
     pub body: String,
+    /// Headers besides the key.
+    pub headers: Vec<(String, String)>,
 }
 
 impl Msg {
@@ -100,6 +117,7 @@ impl Msg {
         Self {
             key: key.to_owned(),
             body: body.into(),
+            headers: Vec::new(),
         }
     }
 }
@@ -110,6 +128,9 @@ pub async fn publish(js: &jetstream::Context, stream: &str, msgs: &[Msg]) {
     for m in msgs {
         let mut headers = HeaderMap::new();
         headers.insert("idempotency-key", m.key.as_str());
+        for (name, value) in &m.headers {
+            headers.insert(name.as_str(), value.as_str());
+        }
         acks.push(
             js.publish_with_headers(format!("{stream}.orders"), headers, m.body.clone().into())
                 .await
