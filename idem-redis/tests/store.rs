@@ -778,6 +778,7 @@ mod cluster {
 
         let mut masters = masters().await;
         let moving = Migration::of(&mut masters, &storage_key).await;
+        let neighbour = moving.add_neighbour(&mut masters, &storage_key).await;
 
         // ASK: the slot is migrating and the key is not on its owner.
         moving.begin(&mut masters).await;
@@ -794,7 +795,17 @@ mod cluster {
 
         // Put everything back before asserting.
         moving.undo(&mut masters, &storage_key).await;
+        let neighbour_back: Option<String> = redis::cmd("GET")
+            .arg(&neighbour)
+            .query_async(&mut masters[moving.from].1)
+            .await
+            .unwrap();
 
+        assert_eq!(
+            neighbour_back.as_deref(),
+            Some("kept"),
+            "moved there and back"
+        );
         assert!(
             matches!(asked, Ok(AcquireOutcome::Acquired { .. })),
             "{asked:?}"

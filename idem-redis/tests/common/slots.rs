@@ -1,8 +1,13 @@
 //! Cluster administration for the tests that move slots: the masters of the test cluster and
 //! `CLUSTER SETSLOT` the way resharding uses it.
 
-/// A master of the test cluster: node id, a plain connection, slot ranges.
-pub type Master = (String, redis::aio::MultiplexedConnection, Vec<(u16, u16)>);
+/// A master of the test cluster: node id, a plain connection, slot ranges, `host:port`.
+pub type Master = (
+    String,
+    redis::aio::MultiplexedConnection,
+    Vec<(u16, u16)>,
+    String,
+);
 
 /// Every master of the test cluster.
 pub async fn masters() -> Vec<Master> {
@@ -36,7 +41,7 @@ pub async fn masters() -> Vec<Master> {
                 None => (r.parse().unwrap(), r.parse().unwrap()),
             })
             .collect();
-        masters.push((fields[0].to_owned(), conn, ranges));
+        masters.push((fields[0].to_owned(), conn, ranges, addr.to_owned()));
     }
     masters
 }
@@ -51,17 +56,36 @@ pub async fn setslot(conn: &mut redis::aio::MultiplexedConnection, slot: u16, ho
         .unwrap();
 }
 
-/// Moves `slot` (whose keys are gone) from `from` to `to` the way resharding does.
-pub async fn move_slot(masters: &mut [Master], slot: u16, from: usize, to: usize) {
-    let (from_id, to_id) = (masters[from].0.clone(), masters[to].0.clone());
-    setslot(&mut masters[to].1, slot, &["IMPORTING", &from_id]).await;
-    setslot(&mut masters[from].1, slot, &["MIGRATING", &to_id]).await;
-    setslot(&mut masters[to].1, slot, &["NODE", &to_id]).await;
-    setslot(&mut masters[from].1, slot, &["NODE", &to_id]).await;
-    for (i, master) in masters.iter_mut().enumerate() {
-        if i != from && i != to {
-            setslot(&mut master.1, slot, &["NODE", &to_id]).await;
+/// Moves every key `from` still holds in `slot` to `to` with `MIGRATE`, as resharding does:
+/// other tests' keys share the cluster, and a slot must be empty on its old owner before it
+/// can be assigned away. While the slot migrates, a key that is not on `from` is created on
+/// `to` (ASK), so once this finds the slot empty it stays empty.
+async fn migrate_keys(masters: &mut [Master], slot: u16, from: usize, to: usize) {
+    let (host, port) = masters[to].3.rsplit_once(':').unwrap();
+    let (host, port): (String, u16) = (host.to_owned(), port.parse().unwrap());
+    loop {
+        let keys: Vec<Vec<u8>> = redis::cmd("CLUSTER")
+            .arg("GETKEYSINSLOT")
+            .arg(slot)
+            .arg(1000)
+            .query_async(&mut masters[from].1)
+            .await
+            .unwrap();
+        if keys.is_empty() {
+            return;
         }
+        let _: () = redis::cmd("MIGRATE")
+            .arg(&host)
+            .arg(port)
+            .arg("")
+            .arg(0)
+            .arg(5000)
+            .arg("REPLACE")
+            .arg("KEYS")
+            .arg(&keys)
+            .query_async(&mut masters[from].1)
+            .await
+            .unwrap();
     }
 }
 
@@ -90,6 +114,23 @@ impl Migration {
         Self { slot, from, to }
     }
 
+    /// A key of another test in the same slot as `storage_key` (which holds no hash tag), on
+    /// `from`, for 60 s: the slot is not empty when it moves, as in a shared cluster.
+    pub async fn add_neighbour(&self, masters: &mut [Master], storage_key: &[u8]) -> Vec<u8> {
+        let mut neighbour = b"{".to_vec();
+        neighbour.extend_from_slice(storage_key);
+        neighbour.extend_from_slice(b"}neighbour");
+        let _: () = redis::cmd("SET")
+            .arg(&neighbour)
+            .arg("kept")
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut masters[self.from].1)
+            .await
+            .unwrap();
+        neighbour
+    }
+
     /// The slot migrates (IMPORTING on `to`, MIGRATING on `from`): a key not on `from` is
     /// answered ASK.
     pub async fn begin(&self, masters: &mut [Master]) {
@@ -98,8 +139,10 @@ impl Migration {
         setslot(&mut masters[self.from].1, self.slot, &["MIGRATING", &to_id]).await;
     }
 
-    /// The migration ends: every master says `to` serves the slot (MOVED for a stale map).
+    /// The migration ends: the keys still on `from` move to `to`, then every master says `to`
+    /// serves the slot (MOVED for a stale map).
     pub async fn finish(&self, masters: &mut [Master]) {
+        migrate_keys(masters, self.slot, self.from, self.to).await;
         let to_id = masters[self.to].0.clone();
         setslot(&mut masters[self.to].1, self.slot, &["NODE", &to_id]).await;
         setslot(&mut masters[self.from].1, self.slot, &["NODE", &to_id]).await;
@@ -110,14 +153,20 @@ impl Migration {
         }
     }
 
-    /// Puts the slot back on `from` (deletes `storage_key` on `to` first: a slot must be empty
-    /// to move).
+    /// Puts the slot back on `from` the same way, with every key in it (deletes the test's
+    /// own `storage_key` first).
     pub async fn undo(&self, masters: &mut [Master], storage_key: &[u8]) {
         let _: () = redis::cmd("DEL")
             .arg(storage_key)
             .query_async(&mut masters[self.to].1)
             .await
             .unwrap();
-        move_slot(masters, self.slot, self.to, self.from).await;
+        let back = Self {
+            slot: self.slot,
+            from: self.to,
+            to: self.from,
+        };
+        back.begin(masters).await;
+        back.finish(masters).await;
     }
 }
