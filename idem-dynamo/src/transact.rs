@@ -259,6 +259,10 @@ const TRANSIENT_REASONS: &[&str] = &[
 ];
 
 const CONDITION_FAILED: &str = "ConditionalCheckFailed";
+/// The cancellation reason of an action that failed validation as it was applied.
+const VALIDATION_ERROR: &str = "ValidationError";
+/// The error code of a request refused by validation before any action was applied.
+const VALIDATION_EXCEPTION: &str = "ValidationException";
 
 /// What a cancelled transaction's reasons say, the completion being the last action.
 #[derive(Debug, PartialEq)]
@@ -269,8 +273,11 @@ enum Cancellation {
     Refused { index: usize, reason: String },
     /// A conflict with another write in flight, or throttling.
     Transient,
-    /// Anything else: a validation error found while applying, an item collection too large,
-    /// reasons missing.
+    /// The handler's write `index` failed DynamoDB's validation while it was applied (an item
+    /// over 400 KB, an operand of the wrong type): every try would fail the same way.
+    Invalid { index: usize, reason: String },
+    /// Anything else: a validation error of the completion's own action, an item collection
+    /// too large, reasons missing.
     Other,
 }
 
@@ -295,6 +302,17 @@ fn classify(reasons: &[CancellationReason], writes: usize) -> Cancellation {
         return Cancellation::Refused {
             index,
             reason: format!("{CONDITION_FAILED}: {said}"),
+        };
+    }
+    if let Some((index, reason)) = reasons[..writes]
+        .iter()
+        .enumerate()
+        .find(|(_, r)| r.code() == Some(VALIDATION_ERROR))
+    {
+        let said = reason.message().unwrap_or("no message");
+        return Cancellation::Invalid {
+            index,
+            reason: format!("{VALIDATION_ERROR}: {said}"),
         };
     }
     let transient = reasons
@@ -377,6 +395,17 @@ impl DynamoStore {
             Some(TransactWriteItemsError::TransactionCanceledException(cancelled)) => {
                 classify(cancelled.cancellation_reasons(), writes)
             }
+            // The completion's own action is the one `complete` sends, which validates: a
+            // request refused by validation is refused for the handler's writes (two actions
+            // on one item, an item over 400 KB, an operand of the wrong type, a request over
+            // 4 MB). Sending it again cannot help.
+            Some(e) if writes > 0 && e.meta().code() == Some(VALIDATION_EXCEPTION) => {
+                let said = e.meta().message().unwrap_or("no message");
+                return Err(Error::invalid(
+                    "writes",
+                    format!("DynamoDB refused the transaction: {VALIDATION_EXCEPTION}: {said}"),
+                ));
+            }
             _ => return Err(self.sdk_error(OPERATION, err)),
         };
         match cancellation {
@@ -386,6 +415,10 @@ impl DynamoStore {
                 index,
                 reason,
             }),
+            Cancellation::Invalid { index, reason } => Err(Error::invalid(
+                "writes",
+                format!("write {index} failed DynamoDB's validation: {reason}"),
+            )),
             Cancellation::Transient => {
                 Err(Error::unavailable(STORE, SdkFailure::new(OPERATION, err)))
             }
@@ -414,6 +447,10 @@ impl TransactionalStore for DynamoStore {
     ///   bytes): then `Ok`, and the writes, applied with it the first time, are not applied
     ///   again;
     /// - [`Error::EffectRefused`] when the condition of write `index` fails;
+    /// - [`Error::InvalidInput`] (field `writes`) when DynamoDB refuses the writes by validation
+    ///   (`ValidationException`, or a write cancelled with `ValidationError`): two actions on
+    ///   one item, an item over 400 KB, an operand of the wrong type, a request over 4 MB.
+    ///   Nothing is written and a re-send would be refused the same way;
     /// - [`Error::Unavailable`] for a transaction conflict, throttling and the transport
     ///   failures of every request; [`Error::Backend`] for the rest.
     ///
@@ -622,8 +659,24 @@ mod tests {
                 "{transient}"
             );
         }
+        // A write that failed validation as it was applied: invalid, whatever else happened.
         assert_eq!(
-            classify(&[reason("ValidationError"), reason("None")], 1),
+            classify(
+                &[
+                    reason("None"),
+                    reason("ValidationError"),
+                    reason("TransactionConflict")
+                ],
+                2
+            ),
+            Cancellation::Invalid {
+                index: 1,
+                reason: "ValidationError: ValidationError happened".to_owned()
+            }
+        );
+        // The completion's own action failing validation is not the handler's doing.
+        assert_eq!(
+            classify(&[reason("None"), reason("ValidationError")], 1),
             Cancellation::Other
         );
         assert_eq!(classify(&[reason("None")], 1), Cancellation::Other);

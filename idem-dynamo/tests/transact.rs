@@ -458,3 +458,77 @@ async fn a_failing_condition_refuses_the_whole_completion() {
     assert_eq!(fx.tokens(&list).await.unwrap(), vec![l.token.get()]);
     completed_with(&store, &k, b"ok").await;
 }
+
+/// Writes DynamoDB refuses by request validation, whatever the records say: two actions on
+/// one item, an item over 400 KB, an update whose operand has the wrong type. Every try would
+/// be refused the same way, so they are invalid writes (refused as a whole, nothing written,
+/// the lease still held), not a store error to retry.
+#[tokio::test]
+async fn writes_dynamodb_refuses_as_invalid_are_invalid_writes() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let fx = EffectTable::new().await;
+    let k = key("invalid");
+    let l = lease(&store, &k, "a", Duration::from_secs(30)).await;
+    let (value, list, big) = (effect(&k, "value"), effect(&k, "list"), effect(&k, "big"));
+    // `value` holds bytes; adding a number to it is refused when the update is applied.
+    fx.write(&value, b"bytes").await;
+    let wrong_type = Update::builder()
+        .table_name(fx.name())
+        .key("pk", AttributeValue::S(value.clone()))
+        .update_expression("SET #v = #v + :one")
+        .expression_attribute_names("#v", "value")
+        .expression_attribute_values(":one", AttributeValue::N("1".to_owned()))
+        .build()
+        .unwrap();
+    let cases = [
+        (
+            "two actions on one item",
+            DynamoWrites::new()
+                .put(fx.put(&value, b"x"))
+                .update(fx.append(&value, 1)),
+        ),
+        (
+            "an item over 400 KB",
+            DynamoWrites::new()
+                .update(fx.append(&list, 1))
+                .put(fx.put(&big, &vec![7u8; 410 * 1024])),
+        ),
+        (
+            "an operand of the wrong type",
+            DynamoWrites::new()
+                .update(fx.append(&list, 1))
+                .update(wrong_type.clone()),
+        ),
+    ];
+    for (what, writes) in cases {
+        let (r, sent) = counted(&store, async || {
+            store
+                .complete_with(&l, Bytes::from_static(b"ok"), RETENTION, writes)
+                .await
+        })
+        .await;
+        assert!(
+            matches!(&r, Err(Error::InvalidInput { field: "writes", reason }) if reason.contains("Validation")),
+            "{what}: {r:?}"
+        );
+        assert_eq!(sent, transactions(1), "{what}: sent once, not retried");
+        still_in_progress(&store, &l).await;
+    }
+    assert_eq!(fx.read(&value).await.as_deref(), Some(&b"bytes"[..]));
+    assert_eq!(fx.tokens(&list).await.unwrap(), Vec::<u64>::new());
+    assert_eq!(fx.read(&big).await, None, "nothing written");
+
+    // Valid writes still complete the record.
+    store
+        .complete_with(
+            &l,
+            Bytes::from_static(b"ok"),
+            RETENTION,
+            DynamoWrites::new().update(fx.append(&list, l.token.get())),
+        )
+        .await
+        .unwrap();
+    completed_with(&store, &k, b"ok").await;
+}

@@ -49,8 +49,9 @@ pub enum ExecutorError {
     #[error("the message has no idempotency key")]
     MissingKey,
 
-    /// The message's key is not a valid [`IdempotencyKey`] (too long, NUL). The handler did not
-    /// run.
+    /// The message's key is not a valid [`IdempotencyKey`] (too long, NUL), or the store refused
+    /// it at acquire ([`Error::InvalidInput`] on the field `key`: a key its backend cannot hold,
+    /// such as a character a PostgreSQL database's encoding lacks). The handler did not run.
     #[error("invalid idempotency key: {0}")]
     InvalidKey(#[source] Error),
 

@@ -589,6 +589,139 @@ async fn a_store_outage_fails_each_message_as_a_single_call_would() {
     }
 }
 
+/// A store that cannot hold keys whose id holds `支` (as a PostgreSQL database in LATIN1
+/// encoding): a single acquire of one is refused with `InvalidInput` on `key`, and a batch
+/// holding one is refused whole, as one SQL statement would be.
+#[derive(Debug, Default)]
+struct RefusesSomeKeys {
+    inner: Counting,
+}
+
+impl RefusesSomeKeys {
+    fn refused(req: &AcquireRequest) -> bool {
+        req.key.id().contains('支')
+    }
+    fn refusal() -> idem_core::Error {
+        idem_core::Error::invalid("key", "the database's encoding cannot hold it")
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for RefusesSomeKeys {
+    fn name(&self) -> &'static str {
+        "refuses-some-keys"
+    }
+    fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+    async fn acquire(&self, req: &AcquireRequest) -> idem_core::Result<AcquireOutcome> {
+        if Self::refused(req) {
+            return Err(Self::refusal());
+        }
+        self.inner.acquire(req).await
+    }
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> idem_core::Result<Lease> {
+        self.inner.extend(lease, ttl).await
+    }
+    async fn complete(
+        &self,
+        lease: &Lease,
+        result: Bytes,
+        retention: Duration,
+    ) -> idem_core::Result<()> {
+        self.inner.complete(lease, result, retention).await
+    }
+    async fn fail(
+        &self,
+        lease: &Lease,
+        error: &str,
+        kind: FailureKind,
+        retention: Duration,
+    ) -> idem_core::Result<()> {
+        self.inner.fail(lease, error, kind, retention).await
+    }
+    async fn release(&self, lease: &Lease) -> idem_core::Result<()> {
+        self.inner.release(lease).await
+    }
+    async fn acquire_many(
+        &self,
+        reqs: &[AcquireRequest],
+    ) -> idem_core::Result<Vec<idem_core::Result<AcquireOutcome>>> {
+        if reqs.iter().any(Self::refused) {
+            return Err(Self::refusal());
+        }
+        self.inner.acquire_many(reqs).await
+    }
+    async fn get(&self, key: &IdempotencyKey) -> idem_core::Result<Option<Record>> {
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &IdempotencyKey) -> idem_core::Result<bool> {
+        self.inner.delete(key).await
+    }
+    async fn purge_expired(&self, limit: usize) -> idem_core::Result<u64> {
+        self.inner.purge_expired(limit).await
+    }
+}
+
+/// A key the store refuses is an invalid key, dead-lettered at once, not a store error retried
+/// for ever; in a batch the store refused whole, the other messages still run.
+#[tokio::test]
+async fn a_key_the_store_refuses_is_an_invalid_key_alone() {
+    let store = Arc::new(RefusesSomeKeys::default());
+    let exec = Executor::new(store.clone(), config()).unwrap();
+    let single = exec
+        .run(&msg("支付-1", "x"), |_| async {
+            Ok::<_, HandlerError>(1u8)
+        })
+        .await;
+    assert!(
+        matches!(single, Err(idem_executor::ExecutorError::InvalidKey(_))),
+        "{single:?}"
+    );
+    let action = single.unwrap_err().action();
+    assert!(
+        matches!(
+            action,
+            idem_executor::BrokerAction::DeadLetter {
+                reason: idem_executor::DeadLetterReason::InvalidKey,
+                ..
+            }
+        ),
+        "{action:?}"
+    );
+
+    let msgs = vec![msg("ok-1", "a"), msg("支付-2", "b"), msg("ok-2", "c")];
+    let ran = AtomicUsize::new(0);
+    let got = exec
+        .run_batch(&msgs, |_, _| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, HandlerError>(1u8) }
+        })
+        .await
+        .unwrap();
+    assert!(matches!(got[0], Ok(Outcome::Executed(1))), "{:?}", got[0]);
+    assert!(
+        matches!(got[1], Err(idem_executor::ExecutorError::InvalidKey(_))),
+        "{:?}",
+        got[1]
+    );
+    assert!(matches!(got[2], Ok(Outcome::Executed(1))), "{:?}", got[2]);
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        2,
+        "the refused key's handler never ran"
+    );
+    let ns = idem_core::Namespace::new("batch").unwrap();
+    for id in ["ok-1", "ok-2"] {
+        let record = store.get(&ns.key(id).unwrap()).await.unwrap().unwrap();
+        assert!(
+            matches!(record.state, RecordState::Completed { .. }),
+            "{id}: {:?}",
+            record.state
+        );
+    }
+}
+
 #[test]
 fn run_batch_future_is_send_for_send_handlers() {
     fn assert_send<T: Send>(_: &T) {}

@@ -474,9 +474,10 @@ fn refused_at_prepare(index: usize, e: tokio_postgres::Error) -> Error {
 }
 
 /// Whether a statement's SQLSTATE means the database refused the effect for its data: class
-/// `23` (integrity constraints), `22` (data exceptions), `P0` (raised by a trigger or function).
+/// `23` (integrity constraints), `22` (data exceptions), `P0` (raised by a trigger or function),
+/// `54` (a program limit: an index row or a row too large, too many arguments).
 fn refuses_the_effect(code: &SqlState) -> bool {
-    matches!(&code.code()[..2], "23" | "22" | "P0")
+    matches!(&code.code()[..2], "23" | "22" | "P0" | "54")
 }
 
 /// The server's message, SQLSTATE and, when there is one, constraint.

@@ -254,7 +254,17 @@ async fn refused_statements_roll_everything_back() {
         .unwrap();
     let lease = acquire(&store, &AcquireRequest::new(ns().key("r").unwrap(), "w")).await;
     let first = || PgWrites::new().execute(t.insert(), ("new", 5i64, "alice", 0i64));
+    // Over the most a btree index row holds, even compressed: class 54, program limit.
+    let huge_entry: String = (0..300)
+        .map(|_| uuid::Uuid::new_v4().simple().to_string())
+        .collect();
     let cases: Vec<(&str, PgWrites, usize, &str)> = vec![
+        (
+            "program limit",
+            first().execute(t.insert(), (huge_entry, 5i64, "alice", 0i64)),
+            1,
+            "54000",
+        ),
         (
             "unique",
             first().execute(t.insert(), ("taken", 5i64, "alice", 0i64)),

@@ -288,6 +288,11 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
                 );
                 shared(e, reqs.len())
             }
+            // One request the store cannot take refuses a whole statement on some backends:
+            // each is asked alone, so only that item is refused.
+            Err(Error::InvalidInput { .. }) if reqs.len() > 1 => {
+                future::join_all(reqs.iter().map(|req| inner.store.acquire(req))).await
+            }
             Err(e) => shared(e, reqs.len()),
         };
         let concurrency = inner.config.batch.concurrency;

@@ -235,6 +235,13 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         let inner = &self.inner;
         let (acquired, sent) = match acquired {
             Ok(acquired) => acquired,
+            // The store cannot hold this key (a PostgreSQL database whose encoding lacks one
+            // of its characters, ...): every retry would be refused the same way, so it is an
+            // invalid key whatever the store-error policy, as one the namespace refused.
+            Err(e @ idem_core::Error::InvalidInput { field: "key", .. }) => {
+                tracing::warn!(error = %e, key = req.key.id(), "the store refused the key");
+                return Err(ExecutorError::InvalidKey(e));
+            }
             Err(e) => {
                 let key = req.key.clone();
                 // Boxed: it holds a second copy of the handler's future.
