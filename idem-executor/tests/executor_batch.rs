@@ -638,6 +638,12 @@ impl IdempotencyStore for RefusesSomeKeys {
         kind: FailureKind,
         retention: Duration,
     ) -> idem_core::Result<()> {
+        if !error.is_ascii() {
+            return Err(idem_core::Error::invalid(
+                "error",
+                "the database's encoding cannot hold it",
+            ));
+        }
         self.inner.fail(lease, error, kind, retention).await
     }
     async fn release(&self, lease: &Lease) -> idem_core::Result<()> {
@@ -661,6 +667,55 @@ impl IdempotencyStore for RefusesSomeKeys {
     async fn purge_expired(&self, limit: usize) -> idem_core::Result<u64> {
         self.inner.purge_expired(limit).await
     }
+}
+
+/// A failure whose text the store cannot hold is recorded in ASCII, not retried for ever with
+/// the handler run again each time; alone and in a batch (whose failures go in groups).
+#[tokio::test]
+async fn a_failure_text_the_store_refuses_is_recorded_in_ascii() {
+    let store = Arc::new(RefusesSomeKeys::default());
+    let exec = Executor::new(store.clone(), config()).unwrap();
+    let escaped = "payment refused: \\u{652f}\\u{6255} (card)".to_owned();
+    let single = exec
+        .run(&msg("fails-1", "x"), |_| async {
+            Err::<u8, _>(HandlerError::terminal("payment refused: 支払 (card)"))
+        })
+        .await;
+    assert!(
+        matches!(&single, Ok(Outcome::Failed { error }) if *error == escaped),
+        "{single:?}"
+    );
+    let ran = AtomicUsize::new(0);
+    let msgs = vec![msg("fails-2", "a"), msg("fine", "b")];
+    let got = exec
+        .run_batch(&msgs, |i, _| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            async move {
+                match i {
+                    0 => Err(HandlerError::terminal("payment refused: 支払 (card)")),
+                    _ => Ok(1u8),
+                }
+            }
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(&got[0], Ok(Outcome::Failed { error }) if *error == escaped),
+        "{:?}",
+        got[0]
+    );
+    assert!(matches!(got[1], Ok(Outcome::Executed(1))), "{:?}", got[1]);
+    let ns = idem_core::Namespace::new("batch").unwrap();
+    for id in ["fails-1", "fails-2"] {
+        let record = store.get(&ns.key(id).unwrap()).await.unwrap().unwrap();
+        assert!(
+            matches!(&record.state, RecordState::Failed { error, .. } if *error == escaped),
+            "{id}: {:?}",
+            record.state
+        );
+    }
+    // The handler ran once for each message: the refusal did not send them round again.
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
 }
 
 /// A key the store refuses is an invalid key, dead-lettered at once, not a store error retried

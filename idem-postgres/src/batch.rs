@@ -22,6 +22,7 @@ use idem_core::{
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
+use crate::error::{is_untranslatable, sqlstate};
 use crate::sql::{Names, Stmt, live, may_acquire};
 use crate::store::{PostgresStore, acquire_outcome, failed_state, fenced_outcome, micros};
 
@@ -217,22 +218,14 @@ fn rounds<'a>(keys: impl Iterator<Item = Option<&'a IdempotencyKey>>) -> Vec<Vec
     rounds
 }
 
-/// The SQLSTATE behind a store error, if any.
-fn sqlstate(e: &Error) -> Option<&SqlState> {
-    let (Error::Unavailable { source, .. } | Error::Backend { source, .. }) = e else {
-        return None;
-    };
-    source
-        .downcast_ref::<tokio_postgres::Error>()
-        .and_then(tokio_postgres::Error::code)
-}
-
 /// A batch statement that hit a lock held by an open transaction (`55P03`, the acquire's lock
-/// timeout) or lost a deadlock (`40P01`): its items are answered by single statements instead.
+/// timeout), lost a deadlock (`40P01`) or carried a text the database's encoding cannot hold
+/// (`22P05`, one item's key or error): its items are answered by single statements instead, so
+/// each gets its own answer.
 fn falls_back(e: &Error) -> bool {
     sqlstate(e).is_some_and(|c| {
         *c == SqlState::LOCK_NOT_AVAILABLE || *c == SqlState::T_R_DEADLOCK_DETECTED
-    })
+    }) || is_untranslatable(e)
 }
 
 fn ords(round: &[usize]) -> Vec<i32> {

@@ -141,6 +141,31 @@ pub(crate) fn map_pool(e: PoolError, wait: Duration, connect: Duration) -> Error
     }
 }
 
+/// The SQLSTATE behind a store error, if any.
+pub(crate) fn sqlstate(e: &Error) -> Option<&SqlState> {
+    let (Error::Unavailable { source, .. } | Error::Backend { source, .. }) = e else {
+        return None;
+    };
+    source
+        .downcast_ref::<tokio_postgres::Error>()
+        .and_then(tokio_postgres::Error::code)
+}
+
+/// `22P05`: a text parameter has a character the database's encoding cannot hold (a database
+/// in `LATIN1` given `支`). The client always sends UTF-8; the server converts.
+pub(crate) fn is_untranslatable(e: &Error) -> bool {
+    sqlstate(e) == Some(&SqlState::UNTRANSLATABLE_CHARACTER)
+}
+
+/// The [`Error::InvalidInput`] on `field` for a text the database's encoding cannot hold,
+/// keeping the server's words.
+pub(crate) fn untranslatable(field: &'static str, e: &Error) -> Error {
+    Error::invalid(
+        field,
+        format!("the database's encoding cannot hold it ({e}); a UTF8 database holds every text"),
+    )
+}
+
 /// Acquire kept seeing the record change under it (a pathological write storm on one key).
 #[derive(Debug, thiserror::Error)]
 #[error("the record changed concurrently {0} times in a row; try again")]

@@ -18,7 +18,9 @@ use tokio_postgres::{Row, Statement};
 
 use crate::batch::BatchSql;
 use crate::config::PostgresConfig;
-use crate::error::{Contention, STORE, map_pg, map_pool, map_store_pg};
+use crate::error::{
+    Contention, STORE, is_untranslatable, map_pg, map_pool, map_store_pg, untranslatable,
+};
 use crate::schema::{
     MIGRATIONS, MigrationReport, advisory_key, migrations_table, validate_constraints,
 };
@@ -402,6 +404,32 @@ fn settle<T>(
     }
 }
 
+impl PostgresStore {
+    /// An acquire refused with `22P05`: [`Error::InvalidInput`] on `key` when the key is the
+    /// text at fault, so the message is refused alone; `e` as it is when the namespace or the
+    /// owner cannot be held either (every acquire would fail: a setup problem, not one key's).
+    /// ASCII is held by every server encoding; other text is sent once more on its own to
+    /// find out.
+    pub(crate) async fn key_refused(&self, req: &AcquireRequest, e: Error) -> Error {
+        let ns = req.key.namespace().as_str();
+        let owner = req.owner.as_str();
+        if !(ns.is_ascii() && owner.is_ascii()) {
+            let probe = async {
+                let client = self.conn().await.ok()?;
+                client
+                    .query_one("SELECT $1::text, $2::text", &[&ns, &owner])
+                    .await
+                    .ok()
+            };
+            let held = tokio::time::timeout(self.inner.op_timeout, probe).await;
+            if !matches!(held, Ok(Some(_))) {
+                return e;
+            }
+        }
+        untranslatable("key", &e)
+    }
+}
+
 /// Microseconds of a duration already validated against the contract's maxima (so it fits).
 /// The values the acquire statement binds besides the request's own fields, kept together so
 /// that the plain and the transactional acquire bind the same parameters in the same order.
@@ -609,6 +637,7 @@ impl IdempotencyStore for PostgresStore {
             let rows = match self.query(&self.inner.sql.acquire, &params).await {
                 Ok(rows) => rows,
                 Err(e) if is_lock_timeout(&e) => return Ok(self.locked_outcome()),
+                Err(e) if is_untranslatable(&e) => return Err(self.key_refused(req, e).await),
                 Err(e) => return Err(e),
             };
             if let Some(outcome) = acquire_outcome(rows.first(), req)? {
@@ -689,6 +718,11 @@ impl IdempotencyStore for PostgresStore {
         )
         .await
         .map(drop)
+        // The key was held by this lease, so the text refused is the error's.
+        .map_err(|e| match is_untranslatable(&e) {
+            true => untranslatable("error", &e),
+            false => e,
+        })
     }
 
     async fn release(&self, lease: &Lease) -> Result<()> {

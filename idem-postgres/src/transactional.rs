@@ -176,7 +176,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{CancelToken, Client, Row, Transaction};
 use tracing::{Instrument, Span, field};
 
-use crate::error::{Contention, STORE, map_pg, map_store_pg};
+use crate::error::{Contention, STORE, is_untranslatable, map_pg, map_store_pg};
 use crate::sql::{Names, Stmt};
 use crate::store::{
     AcquireArgs, MAX_ROUNDS, PostgresStore, acquire_outcome, failed_state, fenced_outcome,
@@ -1099,6 +1099,7 @@ impl PostgresStore {
             let rows = match acquired.map_err(|e| map_store_pg(e, &self.inner.names)) {
                 Ok(rows) => rows,
                 Err(e) if is_lock_timeout(&e) => return Ok(self.locked_outcome()),
+                Err(e) if is_untranslatable(&e) => return Err(self.key_refused(req, e).await),
                 Err(e) => return Err(e),
             };
             saved.map_err(map_pg)?;
