@@ -697,9 +697,9 @@ where
                         .increment(1);
                     tracing::warn!(
                         reason = info.reason.as_str(),
-                        error = %info.error,
+                        error = %broker::header_text(&info.error),
                         attempts = ?attempts,
-                        key = key_id.as_deref(),
+                        key = key_id.as_deref().map(broker::header_text).as_deref(),
                         dead_letter_exchange = %topology.dead_letter_exchange,
                         "message dead-lettered"
                     );

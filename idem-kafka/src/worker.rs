@@ -495,9 +495,9 @@ where
                 metrics::counter!(m::DEAD_LETTERED, "reason" => info.reason.as_str()).increment(1);
                 tracing::warn!(
                     reason = info.reason.as_str(),
-                    error = %info.error,
+                    error = %broker::header_text(&info.error),
                     attempts = ?attempts,
-                    key = key_id.as_deref(),
+                    key = key_id.as_deref().map(broker::header_text).as_deref(),
                     dead_letter_topic = %topic,
                     "record dead-lettered"
                 );
