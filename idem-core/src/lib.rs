@@ -22,6 +22,6 @@ pub use record::{
     AcquireOutcome, AcquireRequest, Completion, DEFAULT_MAX_BATCH, DEFAULT_MAX_ERROR_LEN,
     DEFAULT_MAX_RESULT_LEN, Failure, FailureKind, FencingToken, Lease, Limits, MAX_LEASE_TTL,
     MAX_OWNER_LEN, MAX_RETENTION, Record, RecordState, StateKind, check_lease_ttl, check_owner,
-    check_retention, fit_text,
+    check_retention, fit_text, fit_text_ascii,
 };
 pub use store::{DynStore, IdempotencyStore, TransactionalStore};

@@ -359,6 +359,40 @@ impl Limits {
     pub fn fit_error<'a>(&self, error: &'a str) -> std::borrow::Cow<'a, str> {
         fit_text(error, self.max_error_len)
     }
+
+    /// [`fit_error`](Self::fit_error) in ASCII, for a store that refused an error text with
+    /// [`Error::InvalidInput`] on `error` because it cannot hold one of its characters (a
+    /// PostgreSQL database whose encoding lacks it): see [`fit_text_ascii`].
+    pub fn fit_error_ascii(&self, error: &str) -> String {
+        fit_text_ascii(error, self.max_error_len)
+    }
+}
+
+/// `text` in ASCII, storable in `max` bytes: every character outside ASCII written as `\u{…}`
+/// (its code point in hex), a NUL as `\0`; a longer text is cut between two characters and
+/// ends with `...`.
+pub fn fit_text_ascii(text: &str, max: usize) -> String {
+    const END: &str = "...";
+    let piece = |c: char| match c {
+        '\0' => "\\0".to_owned(),
+        c if c.is_ascii() => c.to_string(),
+        c => c.escape_unicode().to_string(),
+    };
+    let whole: usize = text.chars().map(|c| piece(c).len()).sum();
+    let room = match whole <= max {
+        true => max,
+        false => max.saturating_sub(END.len()),
+    };
+    let mut out = String::with_capacity(whole.min(max));
+    for c in text.chars() {
+        let p = piece(c);
+        if out.len() + p.len() > room {
+            out.push_str(&END[..END.len().min(max - out.len())]);
+            break;
+        }
+        out.push_str(&p);
+    }
+    out
 }
 
 /// Makes `text` storable in `max` bytes: a NUL becomes the two characters `\0`, and a longer
@@ -591,5 +625,22 @@ impl AcquireOutcome {
             Self::Exhausted { .. } => "exhausted",
             Self::Failed { .. } => "failed",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_text_ascii;
+
+    #[test]
+    fn fit_text_ascii_escapes_and_cuts_between_characters() {
+        assert_eq!(fit_text_ascii("plain", 100), "plain");
+        assert_eq!(fit_text_ascii("é支\0", 100), "\\u{e9}\\u{652f}\\0");
+        let cut = fit_text_ascii(&"支".repeat(100), 20);
+        assert_eq!(cut, "\\u{652f}\\u{652f}...");
+        assert!(cut.len() <= 20 && cut.is_ascii());
+        assert_eq!(fit_text_ascii("支", 2), "..");
+        assert_eq!(fit_text_ascii("abc", 3), "abc");
+        assert_eq!(fit_text_ascii("abcd", 3), "...");
     }
 }

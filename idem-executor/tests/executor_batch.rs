@@ -766,6 +766,22 @@ async fn a_key_the_store_refuses_is_an_invalid_key_alone() {
         2,
         "the refused key's handler never ran"
     );
+    // A batch of that message alone, or of it twice: one request, refused the same way.
+    for msgs in [
+        vec![msg("支付-3", "d")],
+        vec![msg("支付-4", "e"), msg("支付-4", "e")],
+    ] {
+        let got = exec
+            .run_batch(&msgs, |_, _| async { Ok::<_, HandlerError>(1u8) })
+            .await
+            .unwrap();
+        for r in &got {
+            assert!(
+                matches!(r, Err(idem_executor::ExecutorError::InvalidKey(_))),
+                "{got:?}"
+            );
+        }
+    }
     let ns = idem_core::Namespace::new("batch").unwrap();
     for id in ["ok-1", "ok-2"] {
         let record = store.get(&ns.key(id).unwrap()).await.unwrap().unwrap();

@@ -475,7 +475,7 @@ fn refused_at_prepare(index: usize, e: tokio_postgres::Error) -> Error {
 
 /// Whether a statement's SQLSTATE means the database refused the effect for its data: class
 /// `23` (integrity constraints), `22` (data exceptions), `P0` (raised by a trigger or function),
-/// `54` (a program limit: an index row or a row too large, too many arguments).
+/// `54` (a program limit met while the statement ran: an index row or a row too large).
 fn refuses_the_effect(code: &SqlState) -> bool {
     matches!(&code.code()[..2], "23" | "22" | "P0" | "54")
 }

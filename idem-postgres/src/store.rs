@@ -406,11 +406,15 @@ fn settle<T>(
 
 impl PostgresStore {
     /// An acquire refused with `22P05`: [`Error::InvalidInput`] on `key` when the key is the
-    /// text at fault, so the message is refused alone; `e` as it is when the namespace or the
-    /// owner cannot be held either (every acquire would fail: a setup problem, not one key's).
-    /// ASCII is held by every server encoding; other text is sent once more on its own to
-    /// find out.
+    /// text at fault, so the message is refused alone; `e` as it is when the key's id is ASCII
+    /// (which every server encoding holds) or the namespace or the owner cannot be held either
+    /// (every acquire would fail: a setup problem, not one key's). A namespace or owner outside
+    /// ASCII is sent once more on its own to find out.
     pub(crate) async fn key_refused(&self, req: &AcquireRequest, e: Error) -> Error {
+        if req.key.id().is_ascii() {
+            // Not the key's doing (a trigger, say): left as the server said it.
+            return e;
+        }
         let ns = req.key.namespace().as_str();
         let owner = req.owner.as_str();
         if !(ns.is_ascii() && owner.is_ascii()) {

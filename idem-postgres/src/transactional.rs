@@ -176,7 +176,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{CancelToken, Client, Row, Transaction};
 use tracing::{Instrument, Span, field};
 
-use crate::error::{Contention, STORE, is_untranslatable, map_pg, map_store_pg};
+use crate::error::{Contention, STORE, is_untranslatable, map_pg, map_store_pg, untranslatable};
 use crate::sql::{Names, Stmt};
 use crate::store::{
     AcquireArgs, MAX_ROUNDS, PostgresStore, acquire_outcome, failed_state, fenced_outcome,
@@ -802,6 +802,12 @@ impl<C: Codec> InTransaction<C> {
     }
 
     fn store_error(&self, stage: StoreStage, handler_ran: bool, source: Error) -> ExecutorError {
+        // A key the database cannot hold: an invalid key, dead-lettered, as the executor does.
+        if stage == StoreStage::Acquire
+            && matches!(source, Error::InvalidInput { field: "key", .. })
+        {
+            return ExecutorError::InvalidKey(source);
+        }
         ExecutorError::Store {
             stage,
             handler_ran,
@@ -855,18 +861,31 @@ impl<C: Codec> InTransaction<C> {
         let config = self.executor.config();
         let store = self.store();
         // Whatever the handler said, the failure must be storable: NUL escaped, cut to the limit.
-        let error = store.limits().fit_error(&failure.error).into_owned();
-        let recorded = store
-            .record_failure(
-                client,
-                &client.statement_cache,
-                req,
-                &error,
-                failure.kind,
-                config.retention,
-            )
-            .await
-            .map_err(|e| self.store_error(StoreStage::Fail, true, e))?;
+        let mut error = store.limits().fit_error(&failure.error).into_owned();
+        let record = |error: &str| {
+            let error = error.to_owned();
+            async move {
+                store
+                    .record_failure(
+                        client,
+                        &client.statement_cache,
+                        req,
+                        &error,
+                        failure.kind,
+                        config.retention,
+                    )
+                    .await
+            }
+        };
+        let mut recorded = record(&error).await;
+        if let Err(Error::InvalidInput { field: "error", .. }) = &recorded {
+            // The database cannot hold a character of the text: the failure must be recorded
+            // (its attempt counted), so it is written again in ASCII, as the executor does.
+            error = store.limits().fit_error_ascii(&error);
+            tracing::warn!(%error, "the store refused the failure's text: recorded in ASCII");
+            recorded = record(&error).await;
+        }
+        let recorded = recorded.map_err(|e| self.store_error(StoreStage::Fail, true, e))?;
         let Some(attempts) = recorded else {
             tracing::warn!("failure not recorded: another worker holds or finished the key");
             return Ok(self.lease_lost());
@@ -1198,6 +1217,7 @@ impl PostgresStore {
                 }
             },
             Err(e) if is_lock_timeout(&e) => Ok(None),
+            Err(e) if is_untranslatable(&e) => Err(untranslatable("error", &e)),
             Err(e) => Err(e),
         }
     }

@@ -179,3 +179,64 @@ async fn a_failure_text_the_database_cannot_hold_is_invalid_input() {
         .await
         .unwrap();
 }
+
+/// The in-transaction mode answers as the executor does: a key the database cannot hold is an
+/// invalid key (dead-lettered, the handler not run), and a failure text it cannot hold is
+/// recorded in ASCII, its attempt counted.
+#[tokio::test]
+async fn the_in_transaction_mode_refuses_the_key_and_records_the_failure_in_ascii() {
+    use idem_executor::{
+        BrokerAction, DeadLetterReason, ExecutorConfig, ExecutorError, HandlerError, Outcome,
+        RawMessage,
+    };
+    let Some(store) = latin1_store().await else {
+        return;
+    };
+    let ns = ns();
+    let mode = store
+        .in_transaction(ExecutorConfig::new(ns.as_str()))
+        .unwrap();
+    let msg = |id: &str| RawMessage::new("{}").with_header("idempotency-key", id.to_owned());
+
+    let refused = mode
+        .run::<_, String, _>(&msg("支付-1"), |_, _| {
+            Box::pin(async { panic!("the handler must not run for a key the store refused") })
+        })
+        .await;
+    let Err(e @ ExecutorError::InvalidKey(_)) = &refused else {
+        panic!("{refused:?}");
+    };
+    assert!(
+        matches!(
+            e.action(),
+            BrokerAction::DeadLetter {
+                reason: DeadLetterReason::InvalidKey,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+
+    let failed = mode
+        .run::<_, String, _>(&msg("café-4"), |_, _| {
+            Box::pin(async { Err(HandlerError::terminal("支払い失敗")) })
+        })
+        .await;
+    let escaped = "\\u{652f}\\u{6255}\\u{3044}\\u{5931}\\u{6557}";
+    assert!(
+        matches!(&failed, Ok(Outcome::Failed { error }) if error == escaped),
+        "{failed:?}"
+    );
+    let record = store
+        .get(&ns.key("café-4").unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(&record.state, RecordState::Failed { error, .. } if error == escaped),
+        "{:?}",
+        record.state
+    );
+    assert_eq!(record.attempts, 1, "the attempt is counted");
+    assert_eq!(records(&store, &ns).await, 1);
+}

@@ -288,10 +288,20 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
                 );
                 shared(e, reqs.len())
             }
-            // One request the store cannot take refuses a whole statement on some backends:
-            // each is asked alone, so only that item is refused.
-            Err(Error::InvalidInput { .. }) if reqs.len() > 1 => {
-                future::join_all(reqs.iter().map(|req| inner.store.acquire(req))).await
+            // One request the store cannot take, refusing the whole call (a custom store may
+            // check its inputs so; the contract asks for an error per item): each is asked
+            // alone, at most `concurrency` at once, so that only that item is refused. Had the
+            // store acquired some keys before refusing, they answer `InProgress` under this
+            // owner until their lease ends: a delay, never a second run.
+            Err(e @ Error::InvalidInput { .. }) if reqs.len() == 1 => vec![Err(e)],
+            Err(Error::InvalidInput { .. }) => {
+                let mut answers = Vec::with_capacity(reqs.len());
+                for group in reqs.chunks(inner.config.batch.concurrency) {
+                    answers.extend(
+                        future::join_all(group.iter().map(|req| inner.store.acquire(req))).await,
+                    );
+                }
+                answers
             }
             Err(e) => shared(e, reqs.len()),
         };

@@ -261,7 +261,7 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
             // The store cannot hold a character of the text (a PostgreSQL database whose
             // encoding lacks it): every retry would be refused the same way, and the failure
             // must be recorded, so it is written again in ASCII.
-            error = ascii_text(&error, inner.max_error_len);
+            error = idem_core::fit_text_ascii(&error, inner.max_error_len);
             tracing::warn!(%error, "the store refused the failure's text: recorded in ASCII");
             recorded = record(&error).await;
         }
@@ -411,46 +411,5 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
                 other => return other,
             }
         }
-    }
-}
-
-/// `text` in ASCII, for a store that cannot hold some character of it: every other character
-/// written as `\u{…}` (its code point in hex). A text longer than `max` bytes is cut between two
-/// characters and ends with `...`.
-fn ascii_text(text: &str, max: usize) -> String {
-    const END: &str = "...";
-    let piece = |c: char| match c.is_ascii() {
-        true => c.to_string(),
-        false => c.escape_unicode().to_string(),
-    };
-    let whole: usize = text.chars().map(|c| piece(c).len()).sum();
-    let room = match whole <= max {
-        true => max,
-        false => max.saturating_sub(END.len()),
-    };
-    let mut out = String::with_capacity(whole.min(max));
-    for c in text.chars() {
-        let p = piece(c);
-        if out.len() + p.len() > room {
-            out.push_str(&END[..END.len().min(max - out.len())]);
-            break;
-        }
-        out.push_str(&p);
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::ascii_text;
-
-    #[test]
-    fn ascii_text_escapes_and_cuts_in_ascii() {
-        assert_eq!(ascii_text("plain", 100), "plain");
-        assert_eq!(ascii_text("é支", 100), "\\u{e9}\\u{652f}");
-        let cut = ascii_text(&"支".repeat(100), 20);
-        assert_eq!(cut, "\\u{652f}\\u{652f}...");
-        assert!(cut.len() <= 20 && cut.is_ascii());
-        assert_eq!(ascii_text("支", 2), "..");
     }
 }
