@@ -283,8 +283,8 @@ enum Cancellation {
 
 /// Reads the cancellation reasons of a transaction of `writes` handler writes and the
 /// completion. The completion's refusal comes first (a zombie writes nothing, and a replay is
-/// told apart from a refusal by the record alone), then a write's failed condition, then
-/// transient causes.
+/// told apart from a refusal by the record alone), then a write's failed condition, then a
+/// write's failed validation, then transient causes.
 fn classify(reasons: &[CancellationReason], writes: usize) -> Cancellation {
     if reasons.len() != writes + 1 {
         return Cancellation::Other;
@@ -293,27 +293,21 @@ fn classify(reasons: &[CancellationReason], writes: usize) -> Cancellation {
     if completion.code() == Some(CONDITION_FAILED) {
         return Cancellation::Completion(completion.item.clone());
     }
-    if let Some((index, reason)) = reasons[..writes]
-        .iter()
-        .enumerate()
-        .find(|(_, r)| r.code() == Some(CONDITION_FAILED))
-    {
-        let said = reason.message().unwrap_or("the conditional request failed");
-        return Cancellation::Refused {
-            index,
-            reason: format!("{CONDITION_FAILED}: {said}"),
-        };
+    // The first handler write cancelled with `code`: its index and what DynamoDB said.
+    let first = |code: &str, unsaid: &str| {
+        reasons[..writes]
+            .iter()
+            .position(|r| r.code() == Some(code))
+            .map(|index| {
+                let said = reasons[index].message().unwrap_or(unsaid);
+                (index, format!("{code}: {said}"))
+            })
+    };
+    if let Some((index, reason)) = first(CONDITION_FAILED, "the conditional request failed") {
+        return Cancellation::Refused { index, reason };
     }
-    if let Some((index, reason)) = reasons[..writes]
-        .iter()
-        .enumerate()
-        .find(|(_, r)| r.code() == Some(VALIDATION_ERROR))
-    {
-        let said = reason.message().unwrap_or("no message");
-        return Cancellation::Invalid {
-            index,
-            reason: format!("{VALIDATION_ERROR}: {said}"),
-        };
+    if let Some((index, reason)) = first(VALIDATION_ERROR, "no message") {
+        return Cancellation::Invalid { index, reason };
     }
     let transient = reasons
         .iter()
