@@ -104,6 +104,29 @@ impl From<std::io::Error> for Failure {
     }
 }
 
+/// Whether `c` would act on the terminal or not show: a control character, or a format or
+/// separator character (U+200B, U+202E, U+2028, ...). These are what Rust's `escape_debug`
+/// writes as an escape, besides the quotes and the backslash.
+pub(crate) fn hidden(c: char) -> bool {
+    !matches!(c, '\\' | '"' | '\'') && c.escape_debug().nth(1).is_some()
+}
+
+/// `text` with every [hidden](hidden) character escaped (`\u{1b}`, `\n`, `\u{202e}`): safe to
+/// print, and one line.
+pub(crate) fn visible(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(hidden) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match hidden(c) {
+            true => out.extend(c.escape_debug()),
+            false => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// `text` on one line: line breaks (some drivers put them in their errors) become `; `.
 fn one_line(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -116,7 +139,7 @@ fn one_line(text: &str) -> String {
         if i > 0 {
             out.push_str("; ");
         }
-        out.push_str(line);
+        out.push_str(&visible(line));
     }
     out
 }
@@ -149,5 +172,17 @@ mod tests {
     fn messages_are_one_line() {
         let f = Failure::new(Code::Store, "first\n  second\r\n\nthird");
         assert_eq!(f.message(), "first; second; third");
+    }
+
+    #[test]
+    fn messages_cannot_drive_the_terminal() {
+        let f = Failure::new(
+            Code::Store,
+            "corrupt record for ns:\u{1b}[2J\0x\u{202e}y \"q\"",
+        );
+        assert_eq!(
+            f.message(),
+            "corrupt record for ns:\\u{1b}[2J\\0x\\u{202e}y \"q\""
+        );
     }
 }

@@ -170,14 +170,31 @@ pub(crate) fn ddl(url: &StoreUrl) -> Result<String, Failure> {
             )?;
             format!("{}\n", sql.trim_end())
         }
-        StoreUrl::Dynamo { table, .. } => {
+        StoreUrl::Dynamo {
+            table,
+            endpoint,
+            region,
+        } => {
             // Checked like the store checks it, so the name is safe in a shell command.
             DynamoConfig::new(table.clone()).validate()?;
+            // The URL's region and endpoint go with the commands, quoted for the shell: run as
+            // printed, they create the table where the store looks for it.
+            let mut place = String::new();
+            for (option, value) in [("--region", region), ("--endpoint-url", endpoint)] {
+                if let Some(value) = value {
+                    let quoted = shlex::try_quote(value).map_err(|e| {
+                        Failure::usage(format!(
+                            "{option} {value:?} cannot be written for a shell: {e}"
+                        ))
+                    })?;
+                    place.push_str(&format!(" {option} {quoted}"));
+                }
+            }
             format!(
-                "aws dynamodb create-table --table-name {table} \\\n    \
+                "aws dynamodb create-table{place} --table-name {table} \\\n    \
                  --attribute-definitions AttributeName=pk,AttributeType=S \\\n    \
                  --key-schema AttributeName=pk,KeyType=HASH --billing-mode PAY_PER_REQUEST\n\
-                 aws dynamodb update-time-to-live --table-name {table} \\\n    \
+                 aws dynamodb update-time-to-live{place} --table-name {table} \\\n    \
                  --time-to-live-specification Enabled=true,AttributeName=ttl\n"
             )
         }

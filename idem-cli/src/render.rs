@@ -7,13 +7,16 @@ use comfy_table::{CellAlignment, ContentArrangement, Table};
 use idem_core::{Record, RecordState, Status};
 use serde_json::{Value, json};
 
+use crate::failure::hidden;
+
 /// Most characters (or bytes, in hex) of a result or error a table shows; `--json` shows all.
 const SHOWN: usize = 512;
 
 /// How a stored result is written out.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Shown {
-    /// UTF-8 text (no control characters other than tab and line breaks).
+    /// UTF-8 text (no control characters other than tab and line breaks, no format or
+    /// separator characters such as U+202E).
     Text(String),
     /// Anything else, as lowercase hex.
     Hex(String),
@@ -25,7 +28,7 @@ impl Shown {
             Ok(text)
                 if !text
                     .chars()
-                    .any(|c| c.is_control() && !matches!(c, '\t' | '\n' | '\r')) =>
+                    .any(|c| hidden(c) && !matches!(c, '\t' | '\n' | '\r')) =>
             {
                 Self::Text(text.to_owned())
             }
@@ -77,10 +80,12 @@ pub(crate) fn lines(t: &Table) -> String {
     out
 }
 
-/// An id as a table shows it: as is, or quoted and escaped when it holds control characters
-/// or blanks at its ends (which a table would hide).
+/// An id, owner or error text as a table shows it: as is, or quoted and escaped when it holds
+/// characters that would act on the terminal or not show (control, format and separator
+/// characters), blanks at its ends (which a table would hide), or starts with a quote (so that
+/// it is never taken for another text shown quoted).
 pub(crate) fn shown_id(id: &str) -> String {
-    if id.chars().any(char::is_control) || id.trim() != id || id.is_empty() {
+    if id.chars().any(hidden) || id.trim() != id || id.is_empty() || id.starts_with('"') {
         format!("{id:?}")
     } else {
         id.to_owned()
@@ -199,7 +204,8 @@ pub(crate) fn record_table(record: &Record, status: Status, now: SystemTime) -> 
         row("result_len", format!("{len} bytes"));
     }
     if let Some((error, kind)) = failure(record) {
-        row("error", cut(error, "characters", error.chars().count()));
+        let error = shown_id(error);
+        row("error", cut(&error, "characters", error.chars().count()));
         row("failure_kind", kind.to_owned());
     }
     lines(&t)
@@ -261,6 +267,14 @@ mod tests {
             Shown::Hex(hex::encode(b"nul\0inside"))
         );
         assert_eq!(Shown::of(b"\x1b[31m"), Shown::Hex("1b5b33316d".into()));
+        assert_eq!(
+            Shown::of("a\u{202e}b".as_bytes()),
+            Shown::Hex("61e280ae62".into())
+        );
+        assert_eq!(
+            Shown::of(b"{\n\t\"a\": 1\n}"),
+            Shown::Text("{\n\t\"a\": 1\n}".into())
+        );
         assert_eq!(Shown::of(b""), Shown::Text(String::new()));
     }
 
@@ -270,6 +284,12 @@ mod tests {
         assert_eq!(shown_id("a b"), "a b");
         assert_eq!(shown_id("line\nbreak"), "\"line\\nbreak\"");
         assert_eq!(shown_id(" padded"), "\" padded\"");
+        // Never shown like another id, nor acting on the terminal.
+        assert_eq!(shown_id("\"trail \""), "\"\\\"trail \\\"\"");
+        assert_eq!(shown_id("rtl\u{202e}evil"), "\"rtl\\u{202e}evil\"");
+        assert_eq!(shown_id("zero\u{200b}width"), "\"zero\\u{200b}width\"");
+        assert_eq!(shown_id("esc\u{1b}[31m"), "\"esc\\u{1b}[31m\"");
+        assert_eq!(shown_id("é支 ok"), "é支 ok");
     }
 
     #[test]

@@ -176,6 +176,14 @@ fn parse_redis(text: &str, shown: &str) -> Result<StoreUrl, BadUrl> {
     }
     let (url, mut params) = take_params(url, &["prefix"], shown)?;
     let prefix = non_empty(params.remove(0), "prefix", shown)?;
+    // The driver reads `protocol` and ignores the rest: a misspelt `prefix` would silently
+    // name the default prefix's records.
+    if let Some((other, _)) = url.query_pairs().find(|(name, _)| name != "protocol") {
+        return Err(bad(
+            shown,
+            format!("unknown parameter {other:?} (a Redis URL takes prefix= and protocol=)"),
+        ));
+    }
     Ok(StoreUrl::Redis {
         url: url.to_string(),
         prefix,
@@ -374,6 +382,9 @@ mod tests {
         );
         assert!(err("redis://").contains("bad store URL"));
         assert!(err("redis://h?prefix=").contains("empty"));
+        // A misspelt prefix is refused, not taken for the default one.
+        assert!(err("redis://h?prefx=pay:").contains("unknown parameter \"prefx\""));
+        assert!(err("redis://h?prefix=pay:&bogus=1").contains("unknown parameter \"bogus\""));
         assert!(err("redis://h?prefix=a&prefix=b").contains("twice"));
     }
 

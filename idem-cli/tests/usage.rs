@@ -180,19 +180,39 @@ fn migrate_print_shows_the_ddl_without_connecting() {
                 "CREATE TABLE IF NOT EXISTS \"billing\".\"records\"",
             )),
         );
+    // The URL's region and endpoint go with both commands, quoted for the shell.
     idem()
         .args([
             "--store",
-            "dynamodb://payments-idem?endpoint=http://127.0.0.1:1",
+            "dynamodb://payments-idem?endpoint=http://127.0.0.1:1/x?a%3D1%26b%3D2&region=eu-west-1",
             "create-table",
             "--print",
         ])
         .assert()
         .success()
         .stdout(
-            contains("aws dynamodb create-table --table-name payments-idem")
-                .and(contains("AttributeName=ttl")),
+            contains(
+                "aws dynamodb create-table --region eu-west-1 \
+                 --endpoint-url 'http://127.0.0.1:1/x?a=1&b=2' --table-name payments-idem",
+            )
+            .and(contains(
+                "aws dynamodb update-time-to-live --region eu-west-1 \
+                 --endpoint-url 'http://127.0.0.1:1/x?a=1&b=2' --table-name payments-idem",
+            ))
+            .and(contains("AttributeName=ttl")),
         );
+    idem()
+        .args([
+            "--store",
+            "dynamodb://payments-idem",
+            "create-table",
+            "--print",
+        ])
+        .assert()
+        .success()
+        .stdout(contains(
+            "aws dynamodb create-table --table-name payments-idem",
+        ));
     idem()
         .args([
             "--store",
