@@ -112,6 +112,20 @@ pub(crate) async fn open(
                     path.display()
                 )));
             }
+            // A path that can never be a database file is a usage error, not an outage.
+            if path.is_dir() {
+                return Err(Failure::usage(format!(
+                    "{} is a directory, not a SQLite database file",
+                    path.display()
+                )));
+            }
+            let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+            if create && parent.is_some_and(|p| !p.is_dir()) {
+                return Err(Failure::usage(format!(
+                    "no directory {} to create the SQLite database in",
+                    parent.map_or_else(String::new, |p| p.display().to_string())
+                )));
+            }
             let options = SqliteOptions::default()
                 .with_create(create)
                 .with_busy_timeout(timeout)

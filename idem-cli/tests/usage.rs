@@ -298,13 +298,30 @@ fn unreachable_stores_are_exit_code_3_and_one_line() {
         let line = unavailable(url, "3s", Duration::from_secs(20));
         assert!(line.contains("unavailable"), "{url}: {line}");
     }
-    // A file that cannot be created is unavailable too.
+}
+
+/// A SQLite path that can never be a database file is a usage error (exit 2), as a missing
+/// file is, not an outage: a directory, or a file to create in a directory that is not there.
+#[test]
+fn a_sqlite_path_that_cannot_be_a_database_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().display());
+    for command in ["get", "migrate"] {
+        let mut args = vec!["--store", url.as_str(), command];
+        if command == "get" {
+            args.extend(["ns", "id"]);
+        }
+        let out = idem().args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{command}: {out:?}");
+        assert!(one_line_error(&out.stderr).contains("is a directory"));
+    }
     let out = idem()
         .args(["--store", "sqlite:///nonexistent/dir/idem.db", "migrate"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(3), "{out:?}");
-    one_line_error(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(one_line_error(&out.stderr).contains("no directory /nonexistent/dir"));
+    assert!(!std::path::Path::new("/nonexistent").exists());
 }
 
 /// A purge that fails reports no result on standard output (no `purged 0` before the error),
