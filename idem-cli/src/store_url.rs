@@ -337,6 +337,13 @@ fn parse_sqlite(text: &str, shown: &str) -> Result<StoreUrl, BadUrl> {
     if path.contains('?') {
         return Err(bad(shown, "a sqlite URL takes no parameters"));
     }
+    // SQLite reads these names as an in-memory database, gone when the command ends.
+    if path == ":memory:" || path.starts_with("file:") {
+        return Err(bad(
+            shown,
+            "an in-memory SQLite database lasts one command: name a file (or use memory:)",
+        ));
+    }
     Ok(StoreUrl::Sqlite {
         path: PathBuf::from(path),
     })
@@ -382,6 +389,7 @@ mod tests {
         );
         assert!(err("redis://").contains("bad store URL"));
         assert!(err("redis://h?prefix=").contains("empty"));
+        assert!(err("sqlite://:memory:").contains("in-memory"));
         // A misspelt prefix is refused, not taken for the default one.
         assert!(err("redis://h?prefx=pay:").contains("unknown parameter \"prefx\""));
         assert!(err("redis://h?prefix=pay:&bogus=1").contains("unknown parameter \"bogus\""));
