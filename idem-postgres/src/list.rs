@@ -109,6 +109,10 @@ fn decode(cursor: &Cursor) -> Result<(usize, String)> {
         return Err(bad());
     }
     let after = String::from_utf8(hex::decode(after).map_err(|_| bad())?).map_err(|_| bad())?;
+    // An id never holds NUL (nor can a `text` parameter): such a cursor was not made here.
+    if after.contains('\0') {
+        return Err(bad());
+    }
     Ok((state, after))
 }
 
@@ -300,7 +304,7 @@ mod tests {
     fn cursors_round_trip_and_bad_ones_are_refused() {
         let c = encode(3, "order-42 é");
         assert_eq!(decode(&c).unwrap(), (3, "order-42 é".to_owned()));
-        for bad in ["", "3", "x.00", "99.00", "1.zz", "1.ff"] {
+        for bad in ["", "3", "x.00", "99.00", "1.zz", "1.ff", "4.00", "4.610062"] {
             assert!(
                 matches!(
                     decode(&Cursor::new(bad)),
