@@ -421,6 +421,18 @@ pub(crate) async fn bounded<T>(
 /// crate does not enable) is bad input, not a server failure.
 fn config_error(url: &str, e: Error) -> Error {
     match e {
+        // A cluster connection to a single server: the address is wrong, as the other way round.
+        Error::Backend { source, .. }
+            if source
+                .downcast_ref::<RedisError>()
+                .is_some_and(|re| re.to_string().contains("cluster support disabled")) =>
+        {
+            Error::invalid(
+                "url",
+                "this address is a single Redis server (cluster support disabled): connect with \
+                 RedisStore::connect (redis:// in the CLI)",
+            )
+        }
         Error::Backend { store, source }
             if source
                 .downcast_ref::<RedisError>()
@@ -535,20 +547,27 @@ fn slot_primaries(reply: &Value) -> Option<usize> {
 /// only after a failover, out of memory, busy with a long script) is [`Error::Unavailable`];
 /// everything else is [`Error::Backend`].
 pub(crate) fn map_error(store: &'static str, e: RedisError) -> Error {
-    if is_unavailable(&e) {
-        Error::unavailable(store, e)
-    } else if e.kind() == ErrorKind::Parse {
-        // A reply that is not RESP: most often the URL names another kind of server (an AMQP
-        // or HTTP port), whose greeting the driver reports as "Incompatible type - Parse error".
+    if not_resp(&e) {
+        // Most often the URL names another kind of server (an AMQP or HTTP port), whose
+        // greeting the driver reports as "Incompatible type - Parse error": retrying will not
+        // make it Redis.
         Error::backend(
             store,
             format!(
                 "the reply is not the Redis protocol (is it a Redis server at that address?): {e}"
             ),
         )
+    } else if is_unavailable(&e) {
+        Error::unavailable(store, e)
     } else {
         Error::backend(store, e)
     }
+}
+
+/// A reply that is not RESP. The cluster driver reports it, met on every node it was given, as
+/// an I/O error (`Failed to create initial connections`) naming the parse error in its detail.
+fn not_resp(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Parse || e.detail().is_some_and(|d| d.contains("Parse error"))
 }
 
 fn is_unavailable(e: &RedisError) -> bool {

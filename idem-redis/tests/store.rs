@@ -595,32 +595,10 @@ mod standalone {
     /// `Backend` error that says so, not the driver's bare "Incompatible type - Parse error".
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_server_that_is_not_redis_is_named_as_such() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            while let Ok((mut socket, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let mut buf = [0u8; 1024];
-                    let _ = socket.read(&mut buf).await;
-                    let _ = socket
-                        .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-                        .await;
-                });
-            }
-        });
-        // Whichever call first reads a reply meets it.
-        let r = match RedisStore::connect(&format!("redis://{addr}")).await {
-            Ok(store) => store.get(&ns().key("k").unwrap()).await.map(drop),
-            Err(e) => Err(e),
-        };
-        match r {
-            Err(e @ Error::Backend { .. }) => {
-                let text = e.to_string();
-                assert!(text.contains("not the Redis protocol"), "{text}");
-            }
-            other => panic!("expected Backend, got {other:?}"),
-        }
+        super::a_server_that_is_not_redis_is_named_as_such(|addr| async move {
+            RedisStore::connect(&format!("redis://{addr}")).await
+        })
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -633,9 +611,53 @@ mod standalone {
     }
 }
 
+/// A server at `addr` that answers every request like an HTTP server; `connect` opens the
+/// store there. Whichever call first reads a reply meets it: a `Backend` error naming the
+/// protocol, not an outage (retrying cannot help).
+async fn a_server_that_is_not_redis_is_named_as_such<F, Fut>(connect: F)
+where
+    F: FnOnce(std::net::SocketAddr) -> Fut,
+    Fut: std::future::Future<Output = idem_core::Result<RedisStore>>,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = socket.read(&mut buf).await;
+                let _ = socket
+                    .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                    .await;
+            });
+        }
+    });
+    let r = match connect(addr).await {
+        Ok(store) => store.get(&ns().key("k").unwrap()).await.map(drop),
+        Err(e) => Err(e),
+    };
+    match r {
+        Err(e @ Error::Backend { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("not the Redis protocol"), "{text}");
+        }
+        other => panic!("expected Backend, got {other:?}"),
+    }
+}
+
 mod cluster {
     use super::*;
     use common::slots::{Migration, masters};
+
+    /// As on one server: a node list naming another kind of server is a `Backend` error.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_that_is_not_redis_is_named_as_such() {
+        super::a_server_that_is_not_redis_is_named_as_such(|addr| async move {
+            RedisStore::connect_cluster([format!("redis://{addr}")]).await
+        })
+        .await;
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn replayed_transitions_succeed() {
@@ -720,6 +742,23 @@ mod cluster {
                 }
                 other => panic!("{node}: expected a refused url, got {other:?}"),
             }
+        }
+    }
+
+    /// The other way round: a cluster connection to a single server (cluster support disabled)
+    /// is a wrong address too, saying how to connect.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cluster_connection_to_a_single_server_is_refused() {
+        if common::standalone().await.is_none() {
+            return;
+        }
+        match RedisStore::connect_cluster([common::url()]).await {
+            Err(idem_core::Error::InvalidInput { field, reason }) => {
+                assert_eq!(field, "url");
+                assert!(reason.contains("cluster support disabled"), "{reason}");
+                assert!(reason.contains("RedisStore::connect "), "{reason}");
+            }
+            other => panic!("expected a refused url, got {other:?}"),
         }
     }
 
