@@ -1233,6 +1233,53 @@ fn a_header_name_that_is_not_utf8_is_passed_over_not_a_panic() {
     assert!(record(OwnedHeaders::new()).headers_readable());
 }
 
+/// Runs a runner over `topic` (a store and executor named after `name`; its handler fails
+/// every record terminally when `fail`, else succeeds) until `resolved` records are resolved
+/// (within `within`), stops it, and reads `dead_letters` records from `<topic>.dlq`. `producer_config`: the
+/// dead-letter producer's, when the test sets one.
+async fn run_and_read_dead_letters(
+    topic: &str,
+    group: &str,
+    name: &str,
+    fail: bool,
+    producer_config: Option<idem_kafka::rdkafka::ClientConfig>,
+    (resolved, within): (u64, Duration),
+    dead_letters: usize,
+) -> (
+    Arc<idem_kafka::RunnerStats>,
+    Vec<idem_kafka::rdkafka::message::OwnedMessage>,
+) {
+    let store = shared(redis_store(&unique(&format!("idem-kafka-{name}"))).await);
+    let handler = move |_msg: KafkaMessage, _ctx: HandlerContext| async move {
+        match fail {
+            true => Err(HandlerError::terminal(std::io::Error::other("malformed"))),
+            false => Ok(()),
+        }
+    };
+    let mut builder = KafkaRunner::builder(
+        consumer_config(group),
+        executor(store, ExecutorConfig::new(name)),
+        handler,
+    )
+    .topic(topic)
+    .options(fast_options());
+    if let Some(config) = producer_config {
+        builder = builder.producer_config(config);
+    }
+    let runner = builder.build().unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, resolved, within).await;
+    stop(running).await;
+    let dlq = read_topic(
+        &format!("{topic}.dlq"),
+        dead_letters,
+        Duration::from_secs(20),
+    )
+    .await;
+    (stats, dlq)
+}
+
 /// Records with a header name that is not UTF-8 run (their key header is read past it) or are
 /// dead-lettered with their headers as they came, and the partition goes on. Before, looking
 /// for the key header panicked in rdkafka and the runner stopped with a dead worker.
@@ -1266,29 +1313,22 @@ async fn records_with_a_header_name_that_is_not_utf8_run_or_dead_letter_and_the_
         .collect();
     let ends = ends(&produce(&topic, &recs).await);
 
-    let store = shared(redis_store(&unique("idem-kafka-bad-header")).await);
-    let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok(()) };
-    let runner = KafkaRunner::builder(
-        consumer_config(&group),
-        executor(store, ExecutorConfig::new("bad-header")),
-        handler,
+    let (stats, dlq) = run_and_read_dead_letters(
+        &topic,
+        &group,
+        "bad-header",
+        false,
+        None,
+        (5, Duration::from_secs(60)),
+        1,
     )
-    .topic(&topic)
-    .options(fast_options())
-    .build()
-    .unwrap();
-    let stats = runner.stats();
-    let running = start(runner);
-    resolved_at_least(&stats, 5, Duration::from_secs(60)).await;
-    stop(running).await;
+    .await;
     assert_eq!(
         (stats.executed(), stats.dead_lettered()),
         (4, 1),
         "{stats:?}"
     );
     assert_eq!(committed(&group, &topic, 1), ends);
-
-    let dlq = read_topic(&format!("{topic}.dlq"), 1, Duration::from_secs(20)).await;
     assert_eq!(dlq.len(), 1);
     let d = &dlq[0];
     assert_eq!(d.key(), Some(&b"keyless"[..]));
@@ -1341,29 +1381,21 @@ async fn a_record_over_the_client_default_size_is_dead_lettered() {
         .expect("produced")
         .offset;
 
-    let store = shared(redis_store(&unique("idem-kafka-large")).await);
-    let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async {
-        Err::<(), _>(HandlerError::terminal(std::io::Error::other("malformed")))
-    };
-    let runner = KafkaRunner::builder(
-        consumer_config(&group),
-        executor(store, ExecutorConfig::new("large")),
-        handler,
+    let (stats, dlq) = run_and_read_dead_letters(
+        &topic,
+        &group,
+        "large",
+        true,
+        None,
+        (1, Duration::from_secs(30)),
+        1,
     )
-    .topic(&topic)
-    .options(fast_options())
-    .build()
-    .unwrap();
-    let stats = runner.stats();
-    let running = start(runner);
-    resolved_at_least(&stats, 1, Duration::from_secs(30)).await;
-    stop(running).await;
+    .await;
     assert_eq!(stats.dead_lettered(), 1, "{stats:?}");
     assert_eq!(
         committed(&group, &topic, 1),
         [(0, offset + 1)].into_iter().collect()
     );
-    let dlq = read_topic(&format!("{topic}.dlq"), 1, Duration::from_secs(20)).await;
     assert_eq!(dlq.len(), 1);
     assert_eq!(dlq[0].payload().map(<[u8]>::len), Some(value.len()));
     assert_eq!(
@@ -1391,32 +1423,23 @@ async fn a_dead_letter_too_large_with_the_original_headers_goes_without_them() {
     rec.headers.push(("blob".into(), "y".repeat(5_000)));
     let ends = ends(&produce(&topic, &[rec]).await);
 
-    let store = shared(redis_store(&unique("idem-kafka-large-headers")).await);
-    let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async {
-        Err::<(), _>(HandlerError::terminal(std::io::Error::other("malformed")))
-    };
     // 23,000 bytes: the value and the runner's headers fit, not with the original ones too.
     let mut producer_config = ClientConfig::new();
     producer_config
         .set("bootstrap.servers", brokers())
         .set("message.max.bytes", "23000");
-    let runner = KafkaRunner::builder(
-        consumer_config(&group),
-        executor(store, ExecutorConfig::new("large-headers")),
-        handler,
+    let (stats, dlq) = run_and_read_dead_letters(
+        &topic,
+        &group,
+        "large-headers",
+        true,
+        Some(producer_config),
+        (1, Duration::from_secs(30)),
+        1,
     )
-    .topic(&topic)
-    .producer_config(producer_config)
-    .options(fast_options())
-    .build()
-    .unwrap();
-    let stats = runner.stats();
-    let running = start(runner);
-    resolved_at_least(&stats, 1, Duration::from_secs(30)).await;
-    stop(running).await;
+    .await;
     assert_eq!(stats.dead_lettered(), 1, "{stats:?}");
     assert_eq!(committed(&group, &topic, 1), ends);
-    let dlq = read_topic(&format!("{topic}.dlq"), 1, Duration::from_secs(20)).await;
     assert_eq!(dlq.len(), 1);
     let d = &dlq[0];
     assert_eq!(d.payload().map(<[u8]>::len), Some(20_000));
