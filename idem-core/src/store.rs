@@ -23,13 +23,20 @@ pub type DynStore = Arc<dyn IdempotencyStore>;
 ///
 /// Every implementation guarantees all of the following; `idem-conformance` checks each rule.
 ///
-/// **Time.** Leases and retention are judged on the store's clock, never the caller's. A record
-/// past its retention deadline (`expires_at`) is treated as absent by every operation, whatever
+/// **Time.** Leases and retention are judged on the store's clock where the store has one (the
+/// server's time on Redis and PostgreSQL; [`CasBackend::now`](crate::kit::CasBackend::now) on a
+/// kit store). A store without one (DynamoDB, a kit store whose backend has no clock) judges on
+/// the calling process's clock and says in its docs how far the processes' clocks may disagree.
+/// A record past its retention deadline (`expires_at`) is treated as absent by every operation, whatever
 /// the backend's own expiry sweeping does.
 ///
 /// **Tokens.** Every acquisition and takeover issues a [`FencingToken`](crate::FencingToken)
 /// strictly higher than every token the key ever had, including after the record was deleted or
-/// expired.
+/// expired, for as long as the store keeps a trace of the key (the record, a record past
+/// retention, or the tombstone a delete leaves; a store may drop tombstones after a documented
+/// time). With no trace left, the new token comes from the store's clock (or a sequence), and is
+/// higher as long as that clock has not stepped back by more than the time since the earlier
+/// token was issued.
 ///
 /// **`acquire`** is ONE atomic operation and returns exactly one of:
 ///

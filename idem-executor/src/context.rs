@@ -99,7 +99,7 @@ impl HandlerContext {
     /// TTL, minus a safety margin of a tenth of the lease (for clock drift between this process
     /// and the store). Heartbeats move it on; when the store is unreachable it stays put, and when
     /// it passes the executor cancels the handler (see the
-    /// [module docs](crate#lost-lease)). [`is_cancelled`](Self::is_cancelled) compares it with the
+    /// [module docs](crate#decisions)). [`is_cancelled`](Self::is_cancelled) compares it with the
     /// current time; to leave enough time for an irreversible action itself, compare it with
     /// [`tokio::time::Instant::now`] plus what the action takes:
     ///

@@ -242,7 +242,7 @@ impl<C: Codec, R: Recorder> ExecutorBuilder<C, R> {
     }
 
     /// Sets the dead-letter hook: called once per key, by the call whose recorded failure used
-    /// the last attempt (see [the module docs](crate#dead-letter-hook)). It runs inline:
+    /// the last attempt (see [the module docs](crate#dead-lettering)). It runs inline:
     /// keep it short and non-blocking.
     pub fn on_dead_letter(mut self, hook: impl Fn(&DeadLetter) + Send + Sync + 'static) -> Self {
         self.dead_letter = Some(Arc::new(hook));

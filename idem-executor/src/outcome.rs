@@ -44,7 +44,7 @@ pub enum Outcome<T> {
     },
     /// The key failed or crashed `attempts` times, the maximum: a poison message. Returned for
     /// every delivery from then on. The dead-letter hook ran only if *this* call's failure used up
-    /// the last attempt (see [the module docs](crate#dead-letter-hook)).
+    /// the last attempt (see [the module docs](crate#dead-lettering)).
     Exhausted {
         /// Attempts made.
         attempts: u32,

@@ -1,5 +1,6 @@
 //! The consumer context: partition workers follow the group's assignment, and a revocation
-//! releases in-flight leases and commits what finished before the partitions move.
+//! releases the leases of records whose handler had not started and commits what finished
+//! before the partitions move.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -140,7 +140,8 @@ where
     /// [`RunnerError::Kafka`] when the consumer cannot be created or subscribed,
     /// [`RunnerError::Fatal`] after a fatal consumer error, [`RunnerError::WorkerDied`] when a
     /// partition's worker task panicked (the runner drained first, in both cases): restart the
-    /// process (or call `run` again) to go on.
+    /// process (or call `run` again) to go on. [`RunnerError::PollThread`] when the thread that
+    /// polls the Kafka client could not be started or panicked.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RunnerError> {
         let handle = Handle::current();
         let spawner = Spawner {

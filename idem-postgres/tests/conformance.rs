@@ -1,4 +1,4 @@
-//! The shared conformance suite (C01-C23) against PostgreSQL.
+//! The shared conformance suite (C01-C24 and C26) against PostgreSQL.
 //!
 //! The store under test connects through its own counting proxy (`common::proxy`), so C23 counts
 //! the round trips of this store instance only: every extended-protocol `Sync` and every simple

@@ -33,7 +33,8 @@ pub use idem_kafka as kafka;
 pub use idem_sqs as sqs;
 
 /// The RabbitMQ consumer runner: manual acks under a prefetch bound, delayed retries through a
-/// TTL queue, a dead-letter exchange with reason headers, reconnects that release in-flight leases.
+/// TTL queue, a dead-letter exchange with reason headers, reconnects that release the leases of
+/// deliveries whose handler had not started.
 #[cfg(feature = "amqp")]
 pub use idem_amqp as amqp;
 

@@ -8,7 +8,7 @@
 //!
 //! Re-sending is all it takes after an ambiguous reply: a store answers `Ok` to a finishing
 //! transition repeated with the same token and the same arguments after it took effect
-//! (DESIGN section 4, [`machine::finish`](idem_core::machine::finish)), so a retry whose first
+//! ([`machine::finish`](idem_core::machine::finish)), so a retry whose first
 //! try did land is accepted, and `LeaseLost` really means another worker owns the key now.
 
 use std::borrow::Cow;
