@@ -35,10 +35,11 @@ pub struct RedisConfig {
     /// The bound on a whole store operation, reconnects and cluster redirects included; past it
     /// the operation fails with [`Error::Unavailable`](idem_core::Error::Unavailable). Default 3 s.
     pub operation_timeout: Duration,
-    /// How many times a dropped connection is re-established (standalone), or a request the
-    /// cluster refused without running it (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, ...) is
-    /// retried (cluster), within [`operation_timeout`](Self::operation_timeout). A request that
-    /// may have run (a response timeout, a dropped connection) is never re-sent. Default 2.
+    /// How many times a request refused without running is sent again, within
+    /// [`operation_timeout`](Self::operation_timeout): a refused connection, `LOADING`, `BUSY`,
+    /// `OOM`, `READONLY`, ... and on a cluster `MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`. On one
+    /// server it is also how many times each reconnection is attempted. A request that may have
+    /// run (a response timeout, a dropped connection) is never re-sent. Default 2.
     pub retries: u32,
     /// The largest result and error message accepted. Default [`Limits::default`].
     pub limits: Limits,

@@ -145,10 +145,13 @@ impl Conn {
     /// Runs a script within `timeout`: `EVALSHA`, then `EVAL` with the full source (which also
     /// caches it) when the node answers `NOSCRIPT`. Adds every request sent to `sent`.
     ///
-    /// On a cluster, a refusal that proves the script did not run (MOVED, ASK, TRYAGAIN,
-    /// CLUSTERDOWN, ...) is retried up to `retries` times: MOVED and ASK at once on the node they
-    /// name, the others after a short wait. Timeouts and dropped connections are never retried:
-    /// the script may have run.
+    /// A refusal that proves the script did not run is retried up to `retries` times. On one
+    /// server that is a refused connection (the connection manager hands the error of its last
+    /// failed reconnect to the next call, and only then reconnects: without a retry the first
+    /// call after an outage would fail although the server is back), `LOADING`, `BUSY`, `OOM`,
+    /// ..., each after a short wait. On a cluster also MOVED and ASK, at once on the node they
+    /// name, and TRYAGAIN, CLUSTERDOWN, ... after a short wait. Timeouts and dropped connections
+    /// are never retried: the script may have run.
     pub(crate) async fn invoke(
         &self,
         call: &Call<'_>,
@@ -158,7 +161,12 @@ impl Conn {
     ) -> Result<Value, Error> {
         match self {
             Self::Single(c) => {
-                bounded(STANDALONE, timeout, script(&mut c.clone(), call, sent)).await
+                bounded(
+                    STANDALONE,
+                    timeout,
+                    single_invoke(c.clone(), call, retries, sent),
+                )
+                .await
             }
             Self::Cluster(c) => {
                 bounded(
@@ -313,6 +321,30 @@ async fn script(
     }
 }
 
+/// How long to wait before retry `attempt` (from 0) of a call refused unrun.
+fn unrun_wait(attempt: u32) -> Duration {
+    Duration::from_millis(20u64.saturating_mul(1 << attempt.min(5)).min(500))
+}
+
+/// The script on one server, sent again while its failure proves it did not run.
+async fn single_invoke(
+    mut conn: ConnectionManager,
+    call: &Call<'_>,
+    retries: u32,
+    sent: &AtomicU64,
+) -> Result<Value, RedisError> {
+    let mut attempt = 0u32;
+    loop {
+        match script(&mut conn, call, sent).await {
+            Err(err) if attempt < retries && did_not_run(&err) => {
+                tokio::time::sleep(unrun_wait(attempt)).await;
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Where a refusal sent the call next.
 enum Next {
     /// The slot's map: route by key again, after a wait.
@@ -337,8 +369,7 @@ async fn cluster_invoke(
         let result = match next.take() {
             None => script(&mut conn, call, sent).await,
             Some(Next::Wait) => {
-                let wait = 20u64.saturating_mul(1 << attempt.min(5)).min(500);
-                tokio::time::sleep(Duration::from_millis(wait)).await;
+                tokio::time::sleep(unrun_wait(attempt)).await;
                 script(&mut conn, call, sent).await
             }
             Some(Next::Node { host, port, asking }) => {
