@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use backon::{ExponentialBuilder, Retryable};
 use idem_core::Error;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
@@ -326,23 +327,25 @@ fn unrun_wait(attempt: u32) -> Duration {
     Duration::from_millis(20u64.saturating_mul(1 << attempt.min(5)).min(500))
 }
 
-/// The script on one server, sent again while its failure proves it did not run.
+/// The script on one server, sent again (waits as [`unrun_wait`]'s) while its failure proves it
+/// did not run.
 async fn single_invoke(
-    mut conn: ConnectionManager,
+    conn: ConnectionManager,
     call: &Call<'_>,
     retries: u32,
     sent: &AtomicU64,
 ) -> Result<Value, RedisError> {
-    let mut attempt = 0u32;
-    loop {
-        match script(&mut conn, call, sent).await {
-            Err(err) if attempt < retries && did_not_run(&err) => {
-                tokio::time::sleep(unrun_wait(attempt)).await;
-                attempt += 1;
-            }
-            other => return other,
-        }
-    }
+    let waits = ExponentialBuilder::default()
+        .with_min_delay(unrun_wait(0))
+        .with_max_delay(unrun_wait(u32::MAX))
+        .with_max_times(retries as usize);
+    (|| {
+        let mut conn = conn.clone();
+        async move { script(&mut conn, call, sent).await }
+    })
+    .retry(waits)
+    .when(did_not_run)
+    .await
 }
 
 /// Where a refusal sent the call next.
