@@ -2099,6 +2099,18 @@ pub async fn c26_listing(h: &Harness) {
         ["lease-expired".to_owned()].into(),
         "C26: by owner"
     );
+    // An owner no record can have (empty, NUL, over the length limit) finds nothing.
+    for owner in [
+        String::new(),
+        format!("{B}\0"),
+        "o".repeat(idem_core::MAX_OWNER_LEN + 1),
+    ] {
+        let none = list_all(h, ListQuery::new(ns.clone()).with_owner(owner.clone())).await;
+        assert!(
+            none.is_empty(),
+            "C26: by the owner {owner:?}, which no record can have: {none:?}"
+        );
+    }
 
     // Paging over more records than a page.
     let many = h.namespace();

@@ -160,6 +160,14 @@ impl PostgresStore {
             Some(c) => decode(c)?,
             None => (0, String::new()),
         };
+        // No owner holds NUL (nor can a `text` parameter): nothing matches.
+        if query
+            .owner
+            .as_deref()
+            .is_some_and(|owner| owner.contains('\0'))
+        {
+            return Ok(Page::new(Vec::new(), None));
+        }
         let args = Args::new(query);
         let stmt = &self.inner.list;
         let mut records: Vec<Record> = Vec::new();
