@@ -277,6 +277,16 @@ fn put_time(out: &mut BytesMut, t: SystemTime) {
     put_varint(out, ((micros << 1) ^ (micros >> 63)) as u64);
 }
 
+/// `t` as a record keeps it ([`put_time`]): whole microseconds, cut towards the epoch. A time a
+/// call returns (a lease's end) is given this way, so that it is the one the store holds.
+pub(crate) fn stored_time(t: SystemTime) -> SystemTime {
+    let whole = |d: Duration| Duration::new(d.as_secs(), d.subsec_micros() * 1000);
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => UNIX_EPOCH + whole(d),
+        Err(e) => UNIX_EPOCH - whole(e.duration()),
+    }
+}
+
 /// Microseconds since the Unix epoch of `t` (0 before it): the time term of new tokens.
 pub(crate) fn micros(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)

@@ -180,7 +180,10 @@ impl<B: CasBackend> IdempotencyStore for KitStore<B> {
             let previous = stored.map(Stored::token);
             let record = stored.and_then(Stored::record);
             match machine::acquire(record, req, now, || next_token(previous, now)) {
-                AcquireDecision::Write(record, outcome) => {
+                AcquireDecision::Write(record, mut outcome) => {
+                    if let AcquireOutcome::Acquired { lease, .. } = &mut outcome {
+                        lease.expires_at = codec::stored_time(lease.expires_at);
+                    }
                     Ok(Step::Write(codec::encode(&Stored::Record(record)), outcome))
                 }
                 AcquireDecision::Keep(outcome) => Ok(Step::Answer(outcome)),
@@ -194,7 +197,8 @@ impl<B: CasBackend> IdempotencyStore for KitStore<B> {
         self.update(&lease.key, |stored, now| {
             let mut record = stored.and_then(Stored::record).cloned();
             let live = machine::check_fence(record.as_mut(), lease, now)?;
-            let extended = machine::extend(live, lease, ttl, now);
+            let mut extended = machine::extend(live, lease, ttl, now);
+            extended.expires_at = codec::stored_time(extended.expires_at);
             let value = codec::encode(&Stored::Record(live.clone()));
             Ok(Step::Write(value, extended))
         })
