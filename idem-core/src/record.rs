@@ -600,7 +600,8 @@ pub enum AcquireOutcome {
     Exhausted {
         /// Attempts made.
         attempts: u32,
-        /// The last stored error; `None` when the last attempt crashed or stalled past its lease.
+        /// The last stored error; `None` when the last attempt recorded none: it crashed,
+        /// stalled past its lease, or its acquire took effect after its reply was lost.
         last_error: Option<String>,
     },
     /// The work failed terminally before; the error is replayed and the work never re-run.

@@ -214,9 +214,11 @@ impl<T> Outcome<T> {
             ),
             Self::Exhausted { last_error, .. } => dead_letter(
                 DeadLetterReason::Exhausted,
-                last_error
-                    .as_deref()
-                    .unwrap_or("the last attempt crashed or stalled past its lease"),
+                last_error.as_deref().unwrap_or(
+                    "no attempt recorded an outcome: the last one crashed, stalled past its \
+                         lease, or its acquire took effect after the reply was lost (a store \
+                         timeout)",
+                ),
             ),
             Self::Failed { error } => dead_letter(DeadLetterReason::Failed, error),
             Self::ResultNotStored { error } => {

@@ -831,7 +831,8 @@ fn outcome_actions() {
             },
             dead(
                 DeadLetterReason::Exhausted,
-                "the last attempt crashed or stalled past its lease",
+                "no attempt recorded an outcome: the last one crashed, stalled past its lease, \
+                 or its acquire took effect after the reply was lost (a store timeout)",
             ),
         ),
     ];

@@ -241,6 +241,20 @@ struct Counting {
     acquire_many: AtomicUsize,
     complete_many: AtomicUsize,
     fail_many: AtomicUsize,
+    /// Whether every acquire fails, a batch as one call (a server that cannot be reached).
+    down: AtomicBool,
+}
+
+impl Counting {
+    fn outage(&self) -> idem_core::Result<()> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(idem_core::Error::unavailable(
+                "counting",
+                "connection refused",
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -253,6 +267,7 @@ impl IdempotencyStore for Counting {
     }
     async fn acquire(&self, req: &AcquireRequest) -> idem_core::Result<AcquireOutcome> {
         self.singles.fetch_add(1, Ordering::SeqCst);
+        self.outage()?;
         self.inner.acquire(req).await
     }
     async fn extend(&self, lease: &Lease, ttl: Duration) -> idem_core::Result<Lease> {
@@ -285,6 +300,7 @@ impl IdempotencyStore for Counting {
         reqs: &[AcquireRequest],
     ) -> idem_core::Result<Vec<idem_core::Result<AcquireOutcome>>> {
         self.acquire_many.fetch_add(1, Ordering::SeqCst);
+        self.outage()?;
         self.inner.acquire_many(reqs).await
     }
     async fn complete_many(
@@ -553,11 +569,13 @@ async fn a_store_outage_fails_each_message_as_a_single_call_would() {
         RawMessage::new("no key".to_owned()),
     ];
     let mut expected = Vec::new();
+    let mut expected_text = Vec::new();
     for m in &msgs {
         let r = single
             .run(m, |_| async { Ok::<_, HandlerError>(1u8) })
             .await;
         expected.push(format!("{r:?}"));
+        expected_text.push(r.err().map(|e| e.to_string()));
     }
     let ran = AtomicUsize::new(0);
     let got = batched
@@ -586,6 +604,43 @@ async fn a_store_outage_fails_each_message_as_a_single_call_would() {
                 .split_once('{')
                 .map(|(kind, _)| kind.to_owned()),
         );
+        // And it reads the same: the store and the kind said once, then the cause.
+        assert_eq!(
+            r.as_ref().err().map(|e| e.to_string()),
+            expected_text[i],
+            "message {i}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_batch_call_that_failed_whole_reads_as_a_single_call_failure() {
+    let store = Arc::new(Counting::default());
+    store.down.store(true, Ordering::SeqCst);
+    let exec = Executor::new(store.clone(), config()).unwrap();
+    let msgs = vec![msg("a", "x"), msg("b", "y")];
+    let single = exec
+        .run(&msgs[0], |_| async { Ok::<_, HandlerError>(1u8) })
+        .await
+        .expect_err("the store is down")
+        .to_string();
+    assert_eq!(
+        single,
+        "store error at acquire (handler ran: false): counting store unavailable: connection refused"
+    );
+    let got = exec
+        .run_batch(&msgs, |_, _| async { Ok::<_, HandlerError>(1u8) })
+        .await
+        .unwrap();
+    assert_eq!(store.acquire_many.load(Ordering::SeqCst), 1);
+    for r in &got {
+        let e = r.as_ref().expect_err("the store is down");
+        assert!(
+            matches!(e, idem_executor::ExecutorError::Store { source, .. } if source.is_retryable()),
+            "{e:?}"
+        );
+        // The store and the kind said once, then the cause, as for a single call.
+        assert_eq!(e.to_string(), single);
     }
 }
 

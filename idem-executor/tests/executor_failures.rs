@@ -240,7 +240,7 @@ async fn a_crash_on_the_last_attempt_is_exhausted_without_the_hook() {
         matches!(
             r.action(),
             BrokerAction::DeadLetter { reason: DeadLetterReason::Exhausted, ref error }
-                if error.contains("crashed or stalled")
+                if error.contains("the last one crashed, stalled past its lease")
         ),
         "{r:?}"
     );

@@ -411,14 +411,35 @@ fn shared(e: Error, n: usize) -> Vec<Result<AcquireOutcome, Error>> {
     (0..n).map(|_| Err(share(&e))).collect()
 }
 
-/// A copy of a whole call's error for one item.
+/// A copy of a whole call's error for one item: of the same kind and store, with the call's
+/// cause; an error of another kind is a `Backend` error around the whole call's.
 fn share(e: &Arc<Error>) -> Error {
     match &**e {
-        Error::Unavailable { store, .. } => Error::unavailable(store, Arc::clone(e)),
-        Error::Backend { store, .. } | Error::NotSetUp { store, .. } => {
-            Error::backend(store, Arc::clone(e))
-        }
+        Error::Unavailable { store, .. } => Error::unavailable(store, SharedCause(Arc::clone(e))),
+        Error::Backend { store, .. } => Error::backend(store, SharedCause(Arc::clone(e))),
+        Error::NotSetUp { store, .. } => Error::backend(store, Arc::clone(e)),
         _ => Error::backend("batch", Arc::clone(e)),
+    }
+}
+
+/// The cause of a whole call's `Unavailable` or `Backend` error, shared by its items (whose
+/// errors say the store and the kind themselves): shown as that cause, leading to what it leads
+/// to.
+#[derive(Debug)]
+struct SharedCause(Arc<Error>);
+
+impl std::fmt::Display for SharedCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match std::error::Error::source(&*self.0) {
+            Some(cause) => std::fmt::Display::fmt(cause, f),
+            None => std::fmt::Display::fmt(&self.0, f),
+        }
+    }
+}
+
+impl std::error::Error for SharedCause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&*self.0).and_then(std::error::Error::source)
     }
 }
 
