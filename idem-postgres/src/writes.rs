@@ -58,9 +58,13 @@ pub fn param<T: ToSql + Send + Sync + 'static>(value: T) -> PgParam {
 ///
 /// Before anything is sent, [`Error::InvalidInput`] on the field `writes`:
 /// more than [`MAX_WRITES`] statements, more than [`MAX_PARAMS`] parameters in one, an empty text
-/// or one holding NUL, a transaction-control statement (`BEGIN`, `START`, `COMMIT`, `END`,
-/// `ROLLBACK`, `ABORT`, `SAVEPOINT`, `RELEASE`, `PREPARE TRANSACTION`: it would end or split the
-/// transaction), [`expect_rows`](Self::expect_rows) before any statement; and, once the texts
+/// or one holding NUL (or only empty statements, `;`), a transaction-control statement (`BEGIN`,
+/// `START`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `SAVEPOINT`, `RELEASE`, `PREPARE
+/// TRANSACTION`, also after empty statements, which the server drops: `;COMMIT` is a `COMMIT`;
+/// it would end or split the transaction), a statement that changes the pooled connection's
+/// session for every later call on it (`SET` other than `SET LOCAL`, `SET TRANSACTION` and `SET
+/// CONSTRAINTS`; `RESET`, `PREPARE`, `DEALLOCATE`, `DISCARD`, `LISTEN`, `UNLISTEN`, `LOAD`),
+/// [`expect_rows`](Self::expect_rows) before any statement; and, once the texts
 /// are prepared (before the transaction starts), a text the server refuses to prepare (a syntax
 /// error, an unknown table or column, a missing privilege: SQLSTATE class `42`, or `0A`), a
 /// parameter count other than the statement's, or a value of a type the statement's parameter
@@ -76,6 +80,14 @@ pub fn param<T: ToSql + Send + Sync + 'static>(value: T) -> PgParam {
 ///
 /// Serialization failures, deadlocks, lock and statement timeouts and lost connections are
 /// [`Error::Unavailable`] (retryable) and roll everything back.
+///
+/// # What the store cannot check
+///
+/// The statements run with the store's role, so they can reach what it can, its records table
+/// included: a statement that deletes or changes idem's records (this key's or another's)
+/// commits like any other, and a deleted record lets the next delivery run the effect again.
+/// Keep business tables out of the store's schema and never name it in the writes. A function
+/// that changes a session setting (`set_config(name, value, false)`) is not seen either.
 #[derive(Clone, Default)]
 pub struct PgWrites {
     pub(crate) statements: Vec<PgStatement>,
@@ -172,7 +184,7 @@ impl PgWrites {
             )));
         }
         for (i, s) in self.statements.iter().enumerate() {
-            if s.sql.trim().is_empty() {
+            if skip_blank(&s.sql).is_empty() {
                 return Err(invalid(format!("statement {i} is empty")));
             }
             if s.sql.contains('\0') {
@@ -191,6 +203,13 @@ impl PgWrites {
                 return Err(invalid(format!(
                     "statement {i} is a transaction-control statement ({keyword}), which would end \
                      or split the transaction the writes commit in"
+                )));
+            }
+            if let Some(keyword) = session_change(&s.sql) {
+                return Err(invalid(format!(
+                    "statement {i} is a {keyword} statement, which changes the session of the \
+                     pooled connection the writes run on (every later call on it would inherit \
+                     the change); for a setting of this transaction alone use SET LOCAL"
                 )));
             }
         }
@@ -229,10 +248,42 @@ fn transaction_control(sql: &str) -> Option<&'static str> {
     Some(keyword)
 }
 
-/// `sql` without its leading white space and comments (`-- ...` lines, nested `/* ... */`).
+/// The statement kind `sql` starts with (after white space, comments and empty statements) if it
+/// changes the connection's session beyond the transaction: a session setting (`SET` other than
+/// `SET LOCAL`, `SET TRANSACTION` and `SET CONSTRAINTS`; `RESET`), a prepared statement of its
+/// own or the pool's (`PREPARE`, `DEALLOCATE`), `DISCARD`, `LISTEN`, `UNLISTEN`, `LOAD`. The
+/// pool hands the connection on as it is. (A function can still change a setting, such as
+/// `set_config(name, value, false)`: the statement's text does not show it.)
+fn session_change(sql: &str) -> Option<&'static str> {
+    let first = word(skip_blank(sql));
+    let keyword = match first.to_ascii_uppercase().as_str() {
+        "SET" => {
+            let next = word(skip_blank(&skip_blank(sql)[first.len()..]));
+            if ["LOCAL", "TRANSACTION", "CONSTRAINTS"]
+                .iter()
+                .any(|scoped| next.eq_ignore_ascii_case(scoped))
+            {
+                return None;
+            }
+            "SET"
+        }
+        "RESET" => "RESET",
+        "PREPARE" => "PREPARE",
+        "DEALLOCATE" => "DEALLOCATE",
+        "DISCARD" => "DISCARD",
+        "LISTEN" => "LISTEN",
+        "UNLISTEN" => "UNLISTEN",
+        "LOAD" => "LOAD",
+        _ => return None,
+    };
+    Some(keyword)
+}
+
+/// `sql` without its leading white space, comments (`-- ...` lines, nested `/* ... */`) and
+/// empty statements (`;`, which PostgreSQL drops: `;COMMIT` is a `COMMIT`).
 fn skip_blank(mut sql: &str) -> &str {
     loop {
-        sql = sql.trim_start();
+        sql = sql.trim_start_matches(|c: char| c.is_whitespace() || c == ';');
         if let Some(rest) = sql.strip_prefix("--") {
             sql = rest.find('\n').map_or("", |at| &rest[at..]);
         } else if sql.starts_with("/*") {
@@ -342,8 +393,43 @@ mod tests {
             ("-- COMMIT\nSELECT 1", None),
             ("/* unterminated", None),
             ("", None),
+            // Empty statements before it are dropped by the server.
+            (";COMMIT", Some("COMMIT")),
+            (" ; end", Some("END")),
+            ("/*x*/;ROLLBACK", Some("ROLLBACK")),
+            (";;commit", Some("COMMIT")),
+            ("\n;\nABORT", Some("ABORT")),
+            ("; BEGIN", Some("BEGIN")),
+            ("-- c\n;\t/* d */ ; savepoint s", Some("SAVEPOINT")),
+            ("INSERT INTO t VALUES (';COMMIT')", None),
         ] {
             assert_eq!(transaction_control(sql), found, "{sql:?}");
+        }
+    }
+
+    #[test]
+    fn session_changes_are_found_and_transaction_scoped_settings_are_not() {
+        for (sql, found) in [
+            ("SET default_transaction_read_only = on", Some("SET")),
+            ("; set search_path TO other", Some("SET")),
+            ("SET SESSION AUTHORIZATION nobody", Some("SET")),
+            ("set role nobody", Some("SET")),
+            ("RESET ALL", Some("RESET")),
+            ("PREPARE q AS SELECT 1", Some("PREPARE")),
+            ("deallocate all", Some("DEALLOCATE")),
+            ("DISCARD ALL", Some("DISCARD")),
+            ("LISTEN c", Some("LISTEN")),
+            ("unlisten *", Some("UNLISTEN")),
+            ("LOAD 'x'", Some("LOAD")),
+            ("SET LOCAL statement_timeout = 1000", None),
+            ("/* c */ set local lock_timeout TO 5", None),
+            ("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE", None),
+            ("SET CONSTRAINTS ALL DEFERRED", None),
+            ("settle", None),
+            ("UPDATE t SET x = 1", None),
+            ("SELECT set_config('a.b', 'c', true)", None),
+        ] {
+            assert_eq!(session_change(sql), found, "{sql:?}");
         }
     }
 

@@ -401,6 +401,25 @@ async fn bad_writes_are_invalid_input_and_write_nothing() {
             ok().execute("/* undo */ rollback", ()),
         ),
         ("empty", ok().execute("  ", ())),
+        ("only empty statements", ok().execute(" ; ;", ())),
+        // PostgreSQL drops the empty statement: this one is a COMMIT, and the writes after it
+        // would run outside the fenced transaction.
+        (
+            "COMMIT after an empty statement",
+            ok().execute(";COMMIT", ())
+                .execute(t.insert(), ("after", 5i64, "alice", 0i64)),
+        ),
+        (
+            "ROLLBACK after empty statements",
+            ok().execute("/*x*/;;ROLLBACK", ()),
+        ),
+        // Session state would stay on the pooled connection for every later call.
+        (
+            "session setting",
+            ok().execute("SET default_transaction_read_only = on", ()),
+        ),
+        ("DEALLOCATE", ok().execute("DEALLOCATE ALL", ())),
+        ("PREPARE", ok().execute("PREPARE q AS SELECT 1", ())),
         ("NUL", ok().execute("SELECT '\0'", ())),
         ("expect_rows first", PgWrites::new().expect_rows(1)),
     ];
