@@ -48,7 +48,8 @@ pub const MAX_WRITES: usize = 100;
 /// middle (`WRONGTYPE`, an `INCRBY` on text) would leave the writes before it applied. So the
 /// script first checks that every write can apply: the type of each written key (`TYPE`), and
 /// the value under every counter (`INCRBY`, `DECRBY` and `HINCRBY` need an integer and must not
-/// overflow 64 bits; `ZINCRBY` must not make a NaN score), following the earlier writes of the
+/// overflow 64 bits; `ZINCRBY` must not make a NaN score; `XADD` needs an entry ID left after
+/// the stream's last one), following the earlier writes of the
 /// same list (a `set` then an `incr_by` on the same key is checked against the value set).
 /// Any write that would fail refuses the whole completion with [`Error::EffectRefused`] before
 /// the first write; the record stays in progress. The check is conservative: a key emptied by an
@@ -56,7 +57,7 @@ pub const MAX_WRITES: usize = 100;
 ///
 /// Checked before anything is sent ([`Error::InvalidInput`], field `writes`): at most
 /// [`MAX_WRITES`] writes; no key equal to the record's or starting with the store's prefix
-/// (records live there); expiries from 1 ms to [`MAX_RETENTION`]; no NaN scores; no
+/// (records live there; with an empty prefix only the record's own key is known to be one); expiries from 1 ms to [`MAX_RETENTION`]; no NaN scores; no
 /// `decr_by(i64::MIN)`; an `xadd` entry with 1 to [`MAX_WRITES`] fields; and, on a Redis Cluster,
 /// every key in the record's slot (build them with
 /// [`RedisStore::effect_key`](crate::RedisStore::effect_key)).

@@ -348,6 +348,14 @@ async fn refusals_write_nothing(store: RedisStore) {
     admin
         .query::<()>(redis::cmd("SET").arg(at(":cond")).arg("v1"))
         .await;
+    // Streams whose last ID is the largest there is, and the one before it.
+    let max_id = format!("{0}-{0}", u64::MAX);
+    let one_left = format!("{}-{}", u64::MAX, u64::MAX - 1);
+    for (suffix, id) in [(":spent", &max_id), (":one-left", &one_left)] {
+        admin
+            .query::<String>(redis::cmd("XADD").arg(at(suffix)).arg(id).arg("f").arg("v"))
+            .await;
+    }
 
     let first = at(":first");
     // Each list starts with writes that would apply (and must not), then the one refused.
@@ -458,6 +466,18 @@ async fn refusals_write_nothing(store: RedisStore) {
             lead().zincr_by(at(":z"), f64::NEG_INFINITY, "m"),
             "NaN",
         ),
+        (
+            "xadd on a stream whose IDs are exhausted",
+            lead().xadd(at(":spent"), [("f", "v2")]),
+            "exhausted",
+        ),
+        (
+            "a second xadd on a stream with one ID left",
+            lead()
+                .xadd(at(":one-left"), [("f", "v2")])
+                .xadd(at(":one-left"), [("f", "v3")]),
+            "exhausted",
+        ),
     ];
     for (what, writes, reason_has) in cases {
         let before = store.requests_sent();
@@ -492,6 +512,10 @@ async fn refusals_write_nothing(store: RedisStore) {
     }
     let max: String = admin.query(redis::cmd("GET").arg(at(":max"))).await;
     assert_eq!(max, i64::MAX.to_string());
+    for suffix in [":spent", ":one-left"] {
+        let len: u64 = admin.query(redis::cmd("XLEN").arg(at(suffix))).await;
+        assert_eq!(len, 1, "nothing added to {suffix}");
+    }
     still_completable(&store, &mut admin, &lease).await;
 }
 
@@ -508,7 +532,18 @@ async fn counters_at_the_edges_apply(store: RedisStore) {
     admin
         .query::<()>(redis::cmd("SET").arg(at(":b")).arg(i64::MIN + 5))
         .await;
+    // A stream with one entry ID left takes exactly one more entry.
+    admin
+        .query::<String>(
+            redis::cmd("XADD")
+                .arg(at(":s"))
+                .arg(format!("{}-{}", u64::MAX, u64::MAX - 1))
+                .arg("f")
+                .arg("v"),
+        )
+        .await;
     let writes = RedisWrites::new()
+        .xadd(at(":s"), [("f", "last")])
         .incr_by(at(":a"), 1)
         .decr_by(at(":b"), 5)
         .incr_by(at(":c"), 9_007_199_254_740_993) // 2^53 + 1: not a double
@@ -533,6 +568,8 @@ async fn counters_at_the_edges_apply(store: RedisStore) {
     );
     let f: String = admin.query(redis::cmd("HGET").arg(at(":h")).arg("f")).await;
     assert_eq!(f, "-1");
+    let len: u64 = admin.query(redis::cmd("XLEN").arg(at(":s"))).await;
+    assert_eq!(len, 2, "the last ID was taken");
 }
 
 /// A worker whose lease was taken over writes nothing; a finished lease neither.

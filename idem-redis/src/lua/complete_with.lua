@@ -6,7 +6,8 @@
 -- condition, then a check that every write can apply, and only then the writes, in order, and
 -- the completion. Redis does not roll a script back, so nothing below the line "Nothing has been
 -- written above this line" may fail: every way a write command can fail on data (WRONGTYPE, a
--- counter that is not an integer or would overflow, a NaN score) is checked before it, and the
+-- counter that is not an integer or would overflow, a NaN score, a stream whose entry IDs are
+-- exhausted) is checked before it, and the
 -- arguments are checked by the store before sending (expiries in range, no NaN, no empty XADD).
 -- Replay-safe like complete.lua: {1} again, changing nothing and writing none of the writes,
 -- when the record already is completed with this token and these result bytes.
@@ -156,6 +157,25 @@ local function int_at(s, at, read)
   return v
 end
 
+-- How many more entries XADD '*' can add to the existing stream at `k`: the IDs left after its
+-- last generated one (1000, more than a call's writes, whenever the first part is not the
+-- largest 64-bit number). The parts are compared as text: Lua's numbers cannot hold them.
+local MAX_PART = '18446744073709551615'
+local function stream_room(k)
+  local info = redis.call('XINFO', 'STREAM', k)
+  local last = ''
+  for j = 1, #info, 2 do
+    if info[j] == 'last-generated-id' then
+      last = info[j + 1]
+    end
+  end
+  local ms, seq = string.match(last, '^(%d+)-(%d+)$')
+  if ms ~= MAX_PART or #seq ~= #MAX_PART or sub(seq, 1, 17) ~= sub(MAX_PART, 1, 17) then
+    return 1000
+  end
+  return tonumber(sub(MAX_PART, 18)) - tonumber(sub(seq, 18))
+end
+
 for i, w in ipairs(writes) do
   local c, k, a = w.code, w.key, w.args
   local needs = NEEDS[c]
@@ -221,8 +241,16 @@ for i, w in ipairs(writes) do
     s.vals[a[2]] = new
   elseif c == 'zrem' then
     s.vals[a[1]] = false
+  elseif c == 'xadd' then
+    -- XADD '*' fails once the stream's last ID is the largest there is (a stream created in
+    -- this call, or found absent, starts from nothing).
+    s.xadds = (s.xadds or 0) + 1
+    if not s.fresh and stream_room(k) < s.xadds then
+      return {2, i, 'the stream has exhausted the last possible ID'}
+    end
+    s.type = 'stream'
   elseif needs ~= nil and c ~= 'srem' then
-    -- lpush, rpush, sadd, xadd: the key now is of that type.
+    -- lpush, rpush, sadd: the key now is of that type.
     s.type = needs
   end
 end
