@@ -43,7 +43,7 @@ impl DynamoStore {
     }
 
     /// The table's status, `None` when it does not exist.
-    async fn table_status(&self) -> Result<Option<TableStatus>> {
+    pub(crate) async fn table_status(&self) -> Result<Option<TableStatus>> {
         match self
             .client()
             .describe_table()

@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+use aws_sdk_dynamodb::config::http::HttpResponse;
+use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::types::{
     AttributeValue, CancellationReason, ConditionCheck, Delete, Put,
@@ -264,6 +266,9 @@ const VALIDATION_ERROR: &str = "ValidationError";
 /// The error code of a request refused by validation before any action was applied.
 const VALIDATION_EXCEPTION: &str = "ValidationException";
 
+/// The code DynamoDB answers for a table that does not exist.
+const RESOURCE_NOT_FOUND: &str = "ResourceNotFoundException";
+
 /// What a cancelled transaction's reasons say, the completion being the last action.
 #[derive(Debug, PartialEq)]
 enum Cancellation {
@@ -371,6 +376,14 @@ impl DynamoStore {
         token: Option<String>,
         writes: usize,
     ) -> Result<Sent> {
+        // The tables the handler's writes name besides the store's own, for telling which one
+        // is missing.
+        let mut others: Vec<String> = Vec::new();
+        for (table, _) in actions.iter().filter_map(|a| target(a).ok()) {
+            if table_name(table) != table_name(self.table()) && !others.iter().any(|o| o == table) {
+                others.push(table.to_owned());
+            }
+        }
         let err = match self
             .client()
             .transact_write_items()
@@ -382,6 +395,11 @@ impl DynamoStore {
             Ok(_) => return Ok(Sent::Committed),
             Err(err) => err,
         };
+        if !others.is_empty()
+            && err.as_service_error().and_then(|e| e.meta().code()) == Some(RESOURCE_NOT_FOUND)
+        {
+            return Err(self.missing_table(others, err).await);
+        }
         let cancellation = match err.as_service_error() {
             Some(TransactWriteItemsError::IdempotentParameterMismatchException(_)) => {
                 return Ok(Sent::Mismatch);
@@ -421,6 +439,44 @@ impl DynamoStore {
     }
 }
 
+impl DynamoStore {
+    /// The error of a `TransactWriteItems` answered `ResourceNotFoundException` whose writes
+    /// name tables besides the store's (`others`): the store's own table is looked up
+    /// (`DescribeTable`) to say which is missing. Nothing was written either way.
+    async fn missing_table(
+        &self,
+        others: Vec<String>,
+        err: SdkError<TransactWriteItemsError, HttpResponse>,
+    ) -> Error {
+        let said = err
+            .as_service_error()
+            .and_then(|e| e.meta().message())
+            .unwrap_or(RESOURCE_NOT_FOUND)
+            .to_owned();
+        match self.table_status().await {
+            Ok(Some(_)) => Error::not_set_up(
+                STORE,
+                format!(
+                    "a table the handler's writes name: {} ({OPERATION} answered: {said})",
+                    others.join(", ")
+                ),
+                "create that table, or correct the table name in the writes",
+            ),
+            Ok(None) => self.sdk_error(OPERATION, err),
+            Err(_) => Error::not_set_up(
+                STORE,
+                format!(
+                    "table {:?} or a table the handler's writes name: {} ({OPERATION} answered: \
+                     {said})",
+                    self.table(),
+                    others.join(", ")
+                ),
+                "check that these tables exist",
+            ),
+        }
+    }
+}
+
 /// The handler's writes and the completion, sent together in one `TransactWriteItems`. See
 /// "Transactional effects" in the [crate docs](crate).
 #[async_trait]
@@ -445,6 +501,9 @@ impl TransactionalStore for DynamoStore {
     ///   (`ValidationException`, or a write cancelled with `ValidationError`): two actions on
     ///   one item, an item over 400 KB, an operand of the wrong type, a request over 4 MB.
     ///   Nothing is written and a re-send would be refused the same way;
+    /// - [`Error::NotSetUp`] for a missing table, naming it: when the writes name other tables
+    ///   and DynamoDB answers `ResourceNotFoundException`, the store's own table is looked up
+    ///   (`DescribeTable`) to say which one is missing;
     /// - [`Error::Unavailable`] for a transaction conflict, throttling and the transport
     ///   failures of every request; [`Error::Backend`] for the rest.
     ///

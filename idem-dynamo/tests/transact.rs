@@ -532,3 +532,45 @@ async fn writes_dynamodb_refuses_as_invalid_are_invalid_writes() {
         .unwrap();
     completed_with(&store, &k, b"ok").await;
 }
+
+/// A write to a table that does not exist is `NotSetUp` naming that table, not the store's: the
+/// store's table is looked up to tell them apart. Nothing is written; the lease still completes.
+#[tokio::test]
+async fn a_write_to_a_missing_table_names_that_table() {
+    let Some(store) = common::store().await else {
+        return;
+    };
+    let fx = EffectTable::new().await;
+    let k = key("missing-table");
+    let l = lease(&store, &k, "a", Duration::from_secs(30)).await;
+    let list = effect(&k, "list");
+    let missing = format!("idem-no-such-table-{}", uuid::Uuid::new_v4().simple());
+    let mut put = fx.put(&effect(&k, "elsewhere"), b"x");
+    put.table_name = missing.clone();
+    let writes = DynamoWrites::new().update(fx.append(&list, 1)).put(put);
+    let r = store
+        .complete_with(&l, Bytes::from_static(b"ok"), RETENTION, writes)
+        .await;
+    match &r {
+        Err(Error::NotSetUp {
+            missing: what, fix, ..
+        }) => {
+            assert!(what.contains(&missing), "{r:?}");
+            assert!(!what.contains(&format!("{:?}", store.table())), "{r:?}");
+            assert!(!fix.contains("create_table_if_missing"), "{r:?}");
+        }
+        other => panic!("expected NotSetUp, got {other:?}"),
+    }
+    still_in_progress(&store, &l).await;
+    assert_eq!(fx.tokens(&list).await.unwrap(), Vec::<u64>::new());
+    store
+        .complete_with(
+            &l,
+            Bytes::from_static(b"ok"),
+            RETENTION,
+            DynamoWrites::new().update(fx.append(&list, l.token.get())),
+        )
+        .await
+        .unwrap();
+    completed_with(&store, &k, b"ok").await;
+}
