@@ -95,7 +95,7 @@ impl EffectRefusedPolicy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct InProgressWait {
-    /// Longest total wait (default 5 s).
+    /// Longest total wait (default 5 s; `Duration::MAX`: as long as the key is in progress).
     pub max_wait: Duration,
     /// First delay between polls (default 10 ms).
     pub min_delay: Duration,
@@ -134,7 +134,7 @@ pub struct BatchConfig {
     /// [`max_batch`](idem_core::Limits::max_batch) (default `None`: the store's `max_batch`).
     pub record_batch: Option<usize>,
     /// How long a group smaller than `record_batch` waits for more (default zero: sent as soon
-    /// as the previous group came back).
+    /// as the previous group came back); shorter than the lease.
     pub record_window: Duration,
 }
 
@@ -442,6 +442,16 @@ impl ExecutorConfig {
         }
         if self.batch.concurrency == 0 {
             return Err(ConfigError::new("batch", "concurrency must be at least 1"));
+        }
+        if self.batch.record_window >= self.lease_ttl {
+            return Err(ConfigError::new(
+                "batch",
+                format!(
+                    "record_window is {:?}; it must be shorter than the lease ({:?}): a record \
+                     waiting that long for others would hold its message past a lease",
+                    self.batch.record_window, self.lease_ttl
+                ),
+            ));
         }
         let record_batch = match self.batch.record_batch {
             None => limits.max_batch.max(1),

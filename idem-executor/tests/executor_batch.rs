@@ -406,6 +406,15 @@ async fn a_record_batch_over_the_store_limit_is_a_config_error() {
     )
     .unwrap_err();
     assert_eq!(e.field, "batch");
+    // A record window as long as the lease, or with no end.
+    for window in [config().lease_ttl, Duration::MAX] {
+        let e = Executor::new(
+            Arc::new(MemoryStore::new()),
+            config().with_batch(BatchConfig::default().with_record_window(window)),
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "batch", "{window:?}");
+    }
 }
 
 // A real clock and short leases: a slow handler keeps its lease by heartbeats, and so does a

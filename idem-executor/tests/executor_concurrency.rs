@@ -150,6 +150,53 @@ async fn bounded_wait_gives_up_after_max_wait() {
     assert!(matches!(held.await.unwrap(), Outcome::Executed(1)));
 }
 
+/// `max_wait` of `Duration::MAX` waits as long as the key is in progress (Tokio's paused clock:
+/// the waiter polls through a minute of virtual time before the holder finishes).
+#[tokio::test(start_paused = true)]
+async fn an_unbounded_wait_lasts_until_the_holder_finishes() {
+    let store = MemoryStore::new();
+    let holder = executor(&store, ExecutorConfig::new("n").with_owner("holder"));
+    let waiter = executor(
+        &store,
+        ExecutorConfig::new("n")
+            .with_owner("waiter")
+            .with_in_progress_wait(
+                InProgressWait::default()
+                    .with_max_wait(Duration::MAX)
+                    .with_min_delay(Duration::from_millis(5))
+                    .with_max_delay(Duration::from_millis(20)),
+            ),
+    );
+    let (started_tx, started_rx) = oneshot::channel();
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let held = tokio::spawn(async move {
+        holder
+            .run(&msg("k"), |_| async move {
+                started_tx.send(()).unwrap();
+                go_rx.await.unwrap();
+                Ok::<_, HandlerError>(1)
+            })
+            .await
+            .unwrap()
+    });
+    started_rx.await.unwrap();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .run(&msg("k"), |_| async { Ok::<_, HandlerError>(2) })
+            .await
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(
+        !waiting.is_finished(),
+        "still waiting while the key is held"
+    );
+    go_tx.send(()).unwrap();
+    assert!(matches!(held.await.unwrap(), Outcome::Executed(1)));
+    let r = waiting.await.expect("the waiter ran to its end");
+    assert!(matches!(r, Outcome::Replayed(1)), "{r:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_three_times_longer_than_the_lease_keeps_it_through_heartbeats() {
     let store = MemoryStore::new(); // real clock: real short leases

@@ -46,7 +46,8 @@ impl<C, R> Executor<C, R> {
         mut outcome: AcquireOutcome,
         mut sent: Instant,
     ) -> Result<(AcquireOutcome, Instant), Error> {
-        let deadline = Instant::now() + wait.max_wait;
+        // `None`: no instant is that far away (`Duration::MAX`): no deadline.
+        let deadline = Instant::now().checked_add(wait.max_wait);
         let mut delays = ExponentialBuilder::new()
             .with_min_delay(wait.min_delay)
             .with_max_delay(wait.max_delay)
@@ -55,7 +56,7 @@ impl<C, R> Executor<C, R> {
             .build();
         while let AcquireOutcome::InProgress { retry_after, .. } = &outcome {
             let now = Instant::now();
-            if now >= deadline {
+            if deadline.is_some_and(|deadline| now >= deadline) {
                 break;
             }
             // Never sleep past the holder's lease: a crashed holder is taken over at once.
@@ -64,7 +65,7 @@ impl<C, R> Executor<C, R> {
                 .unwrap_or(wait.max_delay)
                 .min(wait.max_delay)
                 .min(*retry_after + Duration::from_millis(1))
-                .min(deadline - now);
+                .min(deadline.map_or(Duration::MAX, |deadline| deadline - now));
             tokio::time::sleep(delay).await;
             sent = Instant::now();
             outcome = self.inner.store.acquire(req).await?;
