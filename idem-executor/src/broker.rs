@@ -597,6 +597,17 @@ pub struct DrainTimeouts {
     pub orphan: Duration,
 }
 
+/// How far away [`instant_after`] puts a deadline that no instant can hold: 100 years.
+const FAR_AWAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// The instant `after` from now; 100 years from now when `after` reaches past the last instant
+/// there is (a timeout of `Duration::MAX`, meaning no bound), where `Instant + Duration` would
+/// panic.
+pub fn instant_after(after: Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(after).unwrap_or_else(|| now + FAR_AWAY)
+}
+
 /// How a [`drain`] ended.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Drained {
@@ -647,7 +658,9 @@ where
                     );
                     drained.timed_out = true;
                     lost.cancel();
-                    deadline.as_mut().reset(tokio::time::Instant::now() + timeouts.orphan);
+                    deadline
+                        .as_mut()
+                        .reset(tokio::time::Instant::from_std(instant_after(timeouts.orphan)));
                 }
             }
         }
@@ -1023,6 +1036,42 @@ mod tests {
         assert!(lost.is_cancelled());
         assert_eq!(joined, 3);
         assert!(tasks.is_empty());
+    }
+
+    /// An orphan timeout of `Duration::MAX` (no bound) waits for the lost tasks to end.
+    #[tokio::test]
+    async fn an_unbounded_orphan_timeout_waits_for_the_lost_tasks() {
+        let mut tasks = JoinSet::new();
+        let lost = CancellationToken::new();
+        let watched = lost.clone();
+        tasks.spawn(async move { watched.cancelled().await });
+        let drained = drain(
+            &mut tasks,
+            &lost,
+            DrainTimeouts {
+                drain: Duration::from_millis(20),
+                orphan: Duration::MAX,
+            },
+            |joined| assert!(joined.is_ok()),
+            async {},
+        )
+        .await;
+        assert_eq!(
+            drained,
+            Drained {
+                timed_out: true,
+                aborted: 0
+            }
+        );
+        assert!(tasks.is_empty());
+    }
+
+    #[test]
+    fn an_instant_past_the_last_one_is_far_away() {
+        let far = instant_after(Duration::MAX);
+        assert!(far > std::time::Instant::now() + Duration::from_secs(50 * 365 * 24 * 3600));
+        let near = instant_after(Duration::from_secs(1));
+        assert!(near <= std::time::Instant::now() + Duration::from_secs(1));
     }
 
     #[tokio::test]

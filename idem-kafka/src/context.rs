@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use idem_executor::broker;
 use rdkafka::client::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
@@ -228,7 +229,7 @@ impl Shared {
         for (_, _, slot) in &slots {
             slot.revoke.cancel();
         }
-        let deadline = Instant::now() + self.options.revoke_timeout;
+        let deadline = broker::instant_after(self.options.revoke_timeout);
         for (topic, partition, slot) in &slots {
             let left = deadline.saturating_duration_since(Instant::now());
             if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = slot.exited.recv_timeout(left)

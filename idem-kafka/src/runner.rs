@@ -23,7 +23,7 @@ use crate::message::KafkaMessage;
 use crate::options::RunnerOptions;
 use crate::stats::RunnerStats;
 use crate::worker::{Common, Worker};
-use idem_executor::broker::Execution;
+use idem_executor::broker::{self, Execution};
 
 /// Consumer properties the runner sets itself, whatever the configuration says.
 const FORCED: [(&str, &str); 2] = [
@@ -401,7 +401,7 @@ fn poll_loop(
     // Drain: no new record starts; the ones in process finish, or are cancelled at the deadline.
     shared.start_draining(consumer);
     drain.cancel();
-    let deadline = Instant::now() + options.drain_timeout;
+    let deadline = broker::instant_after(options.drain_timeout);
     let mut cancelled_at = None;
     while !shared.all_exited() {
         let now = Instant::now();
