@@ -63,8 +63,8 @@ pub struct RunnerOptions {
     /// Twice how long a handler still running at the drain timeout may go on (default 10 s):
     /// half-way its context's cancellation token is cancelled, which the executor reads as a
     /// lost lease (it drops the handler unless it returns in that same poll, recording nothing);
-    /// its lease is left to expire (never released once it started), and SQS delivers its
-    /// message again once its visibility passes.
+    /// its message is made visible again at once, and its lease is left to expire (never
+    /// released once it started): a redelivery waits for the lease to end.
     pub orphan_timeout: Duration,
     /// Longest wait for the release of a lease whose handler had not started at the drain
     /// timeout (default 5 s, below [`orphan_timeout`](Self::orphan_timeout)).

@@ -1,9 +1,11 @@
 //! The runner: builder, receive loop, dispatch (FIFO groups in order), drain.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
@@ -131,8 +133,9 @@ where
     /// Receives and processes messages until `shutdown` completes (or the queue is deleted),
     /// then drains: no message is received any more (what a receive in flight still returns is
     /// made visible again at once, unprocessed), the messages in process finish (up to
-    /// [`drain_timeout`](RunnerOptions::drain_timeout), after which they are dropped and SQS
-    /// delivers them again once their visibility passes), and the pending deletes are sent.
+    /// [`drain_timeout`](RunnerOptions::drain_timeout), after which they are dropped and made
+    /// visible again, their started handlers' leases left to expire), and the pending deletes
+    /// are sent.
     ///
     /// First reads the attributes of the queue and of the dead-letter queue (whether each is
     /// FIFO). Must be called within a Tokio runtime: the message tasks are spawned on it.
@@ -420,10 +423,21 @@ where
             self.tasks.spawn(async move {
                 // Signals the next task of the group however this one ends (even aborted).
                 let _finished = finished.drop_guard();
-                if let Some(before) = before {
-                    before.cancelled().await;
+                let (msgs, permits): (Vec<SqsMessage>, Vec<_>) = items.into_iter().unzip();
+                // The first of `msgs` not started yet: those from it on wait in memory, kept
+                // invisible meanwhile (the one in process keeps itself invisible).
+                let next = AtomicUsize::new(0);
+                let work = async {
+                    if let Some(before) = before {
+                        before.cancelled().await;
+                    }
+                    common.process_group::<T>(&msgs, permits, &next).await;
+                };
+                tokio::select! {
+                    biased;
+                    () = work => {}
+                    never = common.keep_waiting_visible(&msgs, &next) => match never {},
                 }
-                common.process_group::<T>(items).await;
             });
         }
     }
@@ -471,39 +485,61 @@ where
     /// while one of them is in flight. (Making them visible at once would do on SQS, whose group
     /// stays blocked while the retried message is invisible; LocalStack's does not.) At
     /// shutdown, the messages not started are made visible again at once.
-    async fn process_group<T>(&self, items: Vec<Item>)
-    where
+    ///
+    /// `next` is kept at the index of the first message not started yet (`msgs.len()` once
+    /// none waits any more), for [`keep_waiting_visible`](Self::keep_waiting_visible).
+    async fn process_group<T>(
+        &self,
+        msgs: &[SqsMessage],
+        permits: Vec<Option<OwnedSemaphorePermit>>,
+        next: &AtomicUsize,
+    ) where
         H: Handler<SqsMessage, R::Returns<T>>,
         R::Returns<T>: Send,
         T: Serialize + DeserializeOwned + Send + 'static,
     {
-        let mut items = items.into_iter();
-        while let Some((msg, permit)) = items.next() {
-            let (rest, visibility): (Vec<SqsMessage>, i32) = if self.drain.is_cancelled() {
-                (
-                    std::iter::once(msg).chain(items.map(|(m, _)| m)).collect(),
-                    0,
-                )
+        for ((at, msg), permit) in msgs.iter().enumerate().zip(permits) {
+            let (rest, visibility) = if self.drain.is_cancelled() {
+                (&msgs[at..], 0)
             } else {
-                let span = message_span(&msg);
-                let done = self.process::<T>(&msg).instrument(span).await;
+                next.store(at + 1, Ordering::Relaxed);
+                let span = message_span(msg);
+                let done = self.process::<T>(msg).instrument(span).await;
                 drop(permit);
                 match done {
                     Done::Resolved => continue,
-                    Done::Retried { visibility } => (items.map(|(m, _)| m).collect(), visibility),
+                    Done::Retried { visibility } => (&msgs[at + 1..], visibility),
                 }
             };
+            // No more extensions: they would undo the release.
+            next.store(msgs.len(), Ordering::Relaxed);
             if !rest.is_empty() {
-                worker::release(
+                worker::release(&self.client, &self.queue_url, &self.stats, rest, visibility).await;
+            }
+            return;
+        }
+    }
+
+    /// Keeps the messages of `msgs` from `next` on invisible, every `extend_every`, while they
+    /// wait for the messages of their group before them (the earlier tasks' and this task's).
+    async fn keep_waiting_visible(&self, msgs: &[SqsMessage], next: &AtomicUsize) -> Infallible {
+        let visibility = seconds_up(self.options.visibility_timeout);
+        let mut at = tokio::time::Instant::now() + self.extend_every;
+        loop {
+            tokio::time::sleep_until(at).await;
+            at += self.extend_every;
+            let waiting = &msgs[next.load(Ordering::Relaxed).min(msgs.len())..];
+            if !waiting.is_empty() {
+                worker::set_visibility(
                     &self.client,
                     &self.queue_url,
                     &self.stats,
-                    &rest,
+                    waiting,
                     visibility,
+                    worker::Change::Extend,
                 )
                 .await;
             }
-            return;
         }
     }
 }

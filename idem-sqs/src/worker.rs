@@ -254,6 +254,44 @@ pub(crate) async fn release(
     messages: &[SqsMessage],
     visibility: i32,
 ) {
+    set_visibility(
+        client,
+        queue_url,
+        stats,
+        messages,
+        visibility,
+        Change::Release,
+    )
+    .await;
+}
+
+/// Why [`set_visibility`] changes messages' visibility.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Change {
+    /// Given back unprocessed ([`release`]).
+    Release,
+    /// Kept invisible while they wait in process (messages of a FIFO group waiting for the
+    /// messages before them).
+    Extend,
+}
+
+/// Sets the visibility of `messages` to `visibility` seconds, ten per request.
+pub(crate) async fn set_visibility(
+    client: &Client,
+    queue_url: &str,
+    stats: &RunnerStats,
+    messages: &[SqsMessage],
+    visibility: i32,
+    change: Change,
+) {
+    let failed_to = match change {
+        Change::Release => {
+            "could not make messages visible again: they come back when their visibility passes"
+        }
+        Change::Extend => {
+            "could not extend the visibility of messages waiting for their FIFO group; trying again at the next interval"
+        }
+    };
     for chunk in messages.chunks(MAX_BATCH) {
         let entries: Vec<ChangeMessageVisibilityBatchRequestEntry> = chunk
             .iter()
@@ -275,17 +313,22 @@ pub(crate) async fn release(
             .await;
         match sent {
             Ok(out) => {
-                RunnerStats::add(&stats.released, out.successful().len() as u64);
+                let done = out.successful().len() as u64;
+                match change {
+                    Change::Release => RunnerStats::add(&stats.released, done),
+                    Change::Extend => RunnerStats::count(
+                        &stats.visibility_extensions,
+                        m::VISIBILITY_EXTENSIONS,
+                        done,
+                    ),
+                }
                 if !out.failed().is_empty() {
                     RunnerStats::count(
                         &stats.visibility_failures,
                         m::VISIBILITY_FAILURES,
                         out.failed().len() as u64,
                     );
-                    tracing::warn!(
-                        failed = out.failed().len(),
-                        "some messages could not be made visible again: they come back when their visibility passes"
-                    );
+                    tracing::warn!(failed = out.failed().len(), "{failed_to}");
                 }
             }
             Err(e) => {
@@ -294,7 +337,7 @@ pub(crate) async fn release(
                     m::VISIBILITY_FAILURES,
                     chunk.len() as u64,
                 );
-                tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "could not make messages visible again: they come back when their visibility passes");
+                tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "{failed_to}");
             }
         }
     }

@@ -354,6 +354,53 @@ async fn a_slow_handler_keeps_its_message_invisible() {
     assert_eq!(counts(&sqs, &queue).await, (0, 0));
 }
 
+/// Messages of a FIFO group received together wait in memory for the ones before them: they are
+/// kept invisible meanwhile, so none is delivered again while its group works through them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_messages_waiting_for_their_group_stay_invisible() {
+    if !localstack() {
+        return;
+    }
+    init_tracing();
+    const MESSAGES: usize = 5;
+    let sqs = client();
+    let queue = queue(&sqs, "idem-fifo-wait", true).await;
+    let dlq = common::queue(&sqs, "idem-fifo-wait-dlq", true).await;
+    let out: Vec<Out> = (0..MESSAGES)
+        .map(|seq| Out::keyed(&format!("w-{seq}"), seq.to_string()).group("g"))
+        .collect();
+    // Sent before the runner starts, so that one receive returns them together.
+    send(&sqs, &queue, &out).await;
+    // Each handler takes 1.2 s: the last message waits about 5 s behind the others, more than
+    // twice the 2 s visibility.
+    let handler = |_msg: SqsMessage, _ctx: HandlerContext| async {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        Ok::<_, HandlerError>(())
+    };
+    let executor = Executor::new(Arc::new(MemoryStore::new()), config("fifo-wait")).unwrap();
+    let running = start(
+        executor,
+        &queue,
+        &dlq,
+        options().with_visibility_timeout(Duration::from_secs(2)),
+        handler,
+    );
+    let stats = Arc::clone(&running.1);
+    let all = wait_for(Duration::from_secs(30), || async {
+        stats.executed() == MESSAGES as u64
+    })
+    .await;
+    assert!(all, "{stats:?}");
+    stop(running).await;
+    assert_eq!(
+        stats.received(),
+        MESSAGES as u64,
+        "no message delivered again while it waited for its group: {stats:?}"
+    );
+    assert_eq!(stats.replayed(), 0, "{stats:?}");
+    assert_eq!(counts(&sqs, &queue).await, (0, 0));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifo_groups_run_in_order_one_message_at_a_time() {
     if !localstack() {
