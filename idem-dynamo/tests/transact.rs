@@ -69,6 +69,20 @@ async fn completed_with(store: &DynamoStore, key: &IdempotencyKey, result: &'sta
     );
 }
 
+/// After refused writes, valid ones (appending the lease's token to `list`) complete the record.
+async fn valid_writes_still_complete(store: &DynamoStore, fx: &EffectTable, l: &Lease, list: &str) {
+    store
+        .complete_with(
+            l,
+            Bytes::from_static(b"ok"),
+            RETENTION,
+            DynamoWrites::new().update(fx.append(list, l.token.get())),
+        )
+        .await
+        .unwrap();
+    completed_with(store, &l.key, b"ok").await;
+}
+
 #[tokio::test]
 async fn a_transactional_completion_is_one_request_and_a_resend_applies_nothing() {
     let Some(store) = common::store().await else {
@@ -519,18 +533,7 @@ async fn writes_dynamodb_refuses_as_invalid_are_invalid_writes() {
     assert_eq!(fx.read(&value).await.as_deref(), Some(&b"bytes"[..]));
     assert_eq!(fx.tokens(&list).await.unwrap(), Vec::<u64>::new());
     assert_eq!(fx.read(&big).await, None, "nothing written");
-
-    // Valid writes still complete the record.
-    store
-        .complete_with(
-            &l,
-            Bytes::from_static(b"ok"),
-            RETENTION,
-            DynamoWrites::new().update(fx.append(&list, l.token.get())),
-        )
-        .await
-        .unwrap();
-    completed_with(&store, &k, b"ok").await;
+    valid_writes_still_complete(&store, &fx, &l, &list).await;
 }
 
 /// A write to a table that does not exist is `NotSetUp` naming that table, not the store's: the
@@ -563,14 +566,5 @@ async fn a_write_to_a_missing_table_names_that_table() {
     }
     still_in_progress(&store, &l).await;
     assert_eq!(fx.tokens(&list).await.unwrap(), Vec::<u64>::new());
-    store
-        .complete_with(
-            &l,
-            Bytes::from_static(b"ok"),
-            RETENTION,
-            DynamoWrites::new().update(fx.append(&list, l.token.get())),
-        )
-        .await
-        .unwrap();
-    completed_with(&store, &k, b"ok").await;
+    valid_writes_still_complete(&store, &fx, &l, &list).await;
 }

@@ -106,8 +106,15 @@ async fn with_the_bounded_wait_every_duplicate_gets_the_result() {
     assert_eq!((executed, replayed), (1, 31), "{outcomes:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bounded_wait_gives_up_after_max_wait() {
+/// Key `k` held by the owner `holder` (its handler runs until `go` is sent; the task returns its
+/// outcome), and an executor of the owner `waiter` that waits up to `max_wait` for it.
+async fn held_while_a_waiter_polls(
+    max_wait: Duration,
+) -> (
+    Executor,
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<Outcome<i32>>,
+) {
     let store = MemoryStore::new();
     let holder = executor(&store, ExecutorConfig::new("n").with_owner("holder"));
     let waiter = executor(
@@ -116,7 +123,7 @@ async fn bounded_wait_gives_up_after_max_wait() {
             .with_owner("waiter")
             .with_in_progress_wait(
                 InProgressWait::default()
-                    .with_max_wait(Duration::from_millis(80))
+                    .with_max_wait(max_wait)
                     .with_min_delay(Duration::from_millis(5))
                     .with_max_delay(Duration::from_millis(20)),
             ),
@@ -134,6 +141,12 @@ async fn bounded_wait_gives_up_after_max_wait() {
             .unwrap()
     });
     started_rx.await.unwrap();
+    (waiter, go_tx, held)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_wait_gives_up_after_max_wait() {
+    let (waiter, go_tx, held) = held_while_a_waiter_polls(Duration::from_millis(80)).await;
     let start = tokio::time::Instant::now();
     let r = waiter
         .run(&msg("k"), |_| async { Ok::<_, HandlerError>(2) })
@@ -154,32 +167,7 @@ async fn bounded_wait_gives_up_after_max_wait() {
 /// the waiter polls through a minute of virtual time before the holder finishes).
 #[tokio::test(start_paused = true)]
 async fn an_unbounded_wait_lasts_until_the_holder_finishes() {
-    let store = MemoryStore::new();
-    let holder = executor(&store, ExecutorConfig::new("n").with_owner("holder"));
-    let waiter = executor(
-        &store,
-        ExecutorConfig::new("n")
-            .with_owner("waiter")
-            .with_in_progress_wait(
-                InProgressWait::default()
-                    .with_max_wait(Duration::MAX)
-                    .with_min_delay(Duration::from_millis(5))
-                    .with_max_delay(Duration::from_millis(20)),
-            ),
-    );
-    let (started_tx, started_rx) = oneshot::channel();
-    let (go_tx, go_rx) = oneshot::channel::<()>();
-    let held = tokio::spawn(async move {
-        holder
-            .run(&msg("k"), |_| async move {
-                started_tx.send(()).unwrap();
-                go_rx.await.unwrap();
-                Ok::<_, HandlerError>(1)
-            })
-            .await
-            .unwrap()
-    });
-    started_rx.await.unwrap();
+    let (waiter, go_tx, held) = held_while_a_waiter_polls(Duration::MAX).await;
     let waiting = tokio::spawn(async move {
         waiter
             .run(&msg("k"), |_| async { Ok::<_, HandlerError>(2) })
