@@ -36,7 +36,8 @@ pub struct RunnerOptions {
     /// runs and settles each delivery on its own (two store round trips per message): the
     /// choice for handlers that take minutes.
     pub max_batch: usize,
-    /// Shortest delay of a retry (default 100 ms), so a hint of zero never spins.
+    /// Shortest delay of a retry (default 100 ms; at least 1 ms, the unit of a message's
+    /// expiration), so a hint of zero never spins.
     pub min_retry_delay: Duration,
     /// Longest delay of a retry (default 5 s): a key held by a live lease is looked at again at
     /// least this often. Also the most a retry can be held up by the ones ahead of it in the
@@ -188,12 +189,17 @@ impl RunnerOptions {
             return Err(RunnerError::config("max_batch", "must be at least 1"));
         }
         broker::check_delays("retry_delay", self.min_retry_delay, self.max_retry_delay)?;
-        if self.max_retry_delay.as_millis() > u128::from(u32::MAX) {
-            return Err(RunnerError::config(
-                "retry_delay",
-                "max must fit a message expiration (at most 2^32 - 1 ms)",
-            ));
-        }
+        // A retry's delay is its message's expiration, in whole milliseconds: under one it
+        // would be 0, no delay at all.
+        broker::check_within(
+            [
+                ("retry_delay", &self.min_retry_delay),
+                ("retry_delay", &self.max_retry_delay),
+            ],
+            Duration::from_millis(1),
+            Duration::from_millis(u64::from(u32::MAX)),
+            "a message expiration, in whole milliseconds up to 2^32 - 1",
+        )?;
         broker::check_delays(
             "reconnect_delay",
             self.min_reconnect_delay,
@@ -261,6 +267,30 @@ mod tests {
         assert_eq!(
             field(RunnerOptions::default().with_reconnect_delays(Duration::ZERO, Duration::ZERO)),
             "reconnect_delay"
+        );
+        // A retry's delay is an expiration in whole milliseconds.
+        for (min, max) in [
+            (Duration::from_nanos(1), Duration::from_secs(1)),
+            (Duration::from_micros(999), Duration::from_secs(1)),
+            (
+                Duration::from_secs(1),
+                Duration::from_millis(u64::from(u32::MAX) + 1),
+            ),
+        ] {
+            assert_eq!(
+                field(RunnerOptions::default().with_retry_delays(min, max)),
+                "retry_delay",
+                "{min:?} {max:?}"
+            );
+        }
+        assert!(
+            RunnerOptions::default()
+                .with_retry_delays(
+                    Duration::from_millis(1),
+                    Duration::from_millis(u64::from(u32::MAX))
+                )
+                .validate()
+                .is_ok()
         );
     }
 }

@@ -191,6 +191,44 @@ pub fn check_delays(field: &'static str, min: Duration, max: Duration) -> Result
     Ok(())
 }
 
+/// The most messages a runner may hold at once (its `max_in_flight`): the bound of the semaphore
+/// and of the buffers sized by it.
+pub const MAX_IN_FLIGHT: usize = 65_536;
+
+/// Checks a count named `field`: from 1 to `max`.
+///
+/// # Errors
+/// [`OptionError`] naming `field`.
+pub fn check_count(field: &'static str, count: usize, max: usize) -> Result<(), OptionError> {
+    if count == 0 || count > max {
+        return Err(OptionError::new(
+            field,
+            format!("{count} is not within 1 and {max}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that every named duration is from `min` to `max`; `why` says where the bounds come
+/// from (the broker's unit, its wire format).
+///
+/// # Errors
+/// [`OptionError`] naming the first out of bounds.
+pub fn check_within<'a>(
+    durations: impl IntoIterator<Item = (&'static str, &'a Duration)>,
+    min: Duration,
+    max: Duration,
+    why: &str,
+) -> Result<(), OptionError> {
+    match durations.into_iter().find(|(_, d)| **d < min || **d > max) {
+        Some((field, d)) => Err(OptionError::new(
+            field,
+            format!("{d:?} is not within {min:?} and {max:?} ({why})"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Checks that every named duration is above zero.
 ///
 /// # Errors
@@ -1064,6 +1102,22 @@ mod tests {
             }
         );
         assert!(tasks.is_empty());
+    }
+
+    #[test]
+    fn counts_and_durations_out_of_bounds_name_their_option() {
+        assert!(check_count("n", 1, 4).is_ok() && check_count("n", 4, 4).is_ok());
+        for n in [0, 5, usize::MAX] {
+            assert_eq!(check_count("n", n, 4).unwrap_err().field, "n");
+        }
+        let (ms, s) = (Duration::from_millis(1), Duration::from_secs(1));
+        assert!(check_within([("a", &ms), ("b", &s)], ms, s, "test").is_ok());
+        let short = Duration::from_micros(999);
+        let e = check_within([("a", &ms), ("b", &short)], ms, s, "the unit").unwrap_err();
+        assert_eq!(e.field, "b");
+        assert!(e.reason.contains("the unit"), "{e}");
+        let e = check_within([("a", &Duration::MAX)], ms, s, "x").unwrap_err();
+        assert_eq!(e.field, "a");
     }
 
     #[test]

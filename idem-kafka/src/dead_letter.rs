@@ -167,7 +167,8 @@ impl DeadLetterProducer {
             record = record.timestamp(ms);
         }
         let send = self.producer.send(record, self.timeout);
-        match tokio::time::timeout(self.timeout + Duration::from_secs(1), send).await {
+        match tokio::time::timeout(self.timeout.saturating_add(Duration::from_secs(1)), send).await
+        {
             Ok(Ok(_delivery)) => Ok(topic),
             Ok(Err((e, _))) => Err(e),
             Err(_) => Err(rdkafka::error::KafkaError::MessageProduction(

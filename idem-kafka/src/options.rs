@@ -23,7 +23,8 @@ use crate::error::RunnerError;
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct RunnerOptions {
-    /// Executor batches processed at once across all partitions (default 16). Within a partition
+    /// Executor batches processed at once across all partitions (default 16; 1 to
+    /// [`broker::MAX_IN_FLIGHT`]). Within a partition
     /// at most [`max_batches_per_partition`](Self::max_batches_per_partition) at once.
     pub max_in_flight: usize,
     /// Most records of one partition handed to the executor in one batch (default 100, and at
@@ -195,19 +196,16 @@ impl RunnerOptions {
         broker::retry_delay(hint, self.min_retry_delay, self.max_retry_delay)
     }
 
-    pub(crate) fn validate(&self) -> Result<(), RunnerError> {
-        if self.max_in_flight == 0 {
-            return Err(RunnerError::config("max_in_flight", "must be at least 1"));
-        }
-        if self.max_batch == 0 {
-            return Err(RunnerError::config("max_batch", "must be at least 1"));
-        }
-        if self.max_batches_per_partition == 0 {
-            return Err(RunnerError::config(
-                "max_batches_per_partition",
-                "must be at least 1",
-            ));
-        }
+    /// Checks the options, `max_batch` against the store's
+    /// [`max_batch`](idem_core::Limits::max_batch).
+    pub(crate) fn validate(&self, store_max_batch: usize) -> Result<(), RunnerError> {
+        broker::check_count("max_in_flight", self.max_in_flight, broker::MAX_IN_FLIGHT)?;
+        broker::check_count("max_batch", self.max_batch, store_max_batch.max(1))?;
+        broker::check_count(
+            "max_batches_per_partition",
+            self.max_batches_per_partition,
+            broker::MAX_IN_FLIGHT,
+        )?;
         if self.max_buffered_per_partition == 0 {
             return Err(RunnerError::config(
                 "max_buffered_per_partition",
@@ -220,8 +218,15 @@ impl RunnerOptions {
             ("dead_letter_timeout", &self.dead_letter_timeout),
             ("revoke_timeout", &self.revoke_timeout),
             ("release_timeout", &self.release_timeout),
-            ("poll_interval", &self.poll_interval),
         ])?;
+        // librdkafka polls in whole milliseconds: a shorter interval is a poll that never
+        // waits, a spinning poll thread.
+        broker::check_within(
+            [("poll_interval", &self.poll_interval)],
+            Duration::from_millis(1),
+            Duration::MAX,
+            "librdkafka polls in whole milliseconds",
+        )?;
         if self.release_timeout >= self.revoke_timeout {
             return Err(RunnerError::config(
                 "release_timeout",
@@ -255,8 +260,10 @@ mod tests {
 
     #[test]
     fn validation_names_the_field() {
-        assert!(RunnerOptions::default().validate().is_ok());
-        let r = RunnerOptions::default().with_max_in_flight(0).validate();
+        assert!(RunnerOptions::default().validate(1000).is_ok());
+        let r = RunnerOptions::default()
+            .with_max_in_flight(0)
+            .validate(1000);
         assert!(
             matches!(
                 r,
@@ -269,7 +276,7 @@ mod tests {
         );
         let r = RunnerOptions::default()
             .with_max_batches_per_partition(0)
-            .validate();
+            .validate(1000);
         assert!(
             matches!(
                 r,
@@ -282,7 +289,7 @@ mod tests {
         );
         let r = RunnerOptions::default()
             .with_retry_delays(Duration::from_secs(2), Duration::from_secs(1))
-            .validate();
+            .validate(1000);
         assert!(
             matches!(
                 r,
@@ -295,7 +302,7 @@ mod tests {
         );
         let r = RunnerOptions::default()
             .with_revoke_timeout(Duration::from_secs(5))
-            .validate();
+            .validate(1000);
         assert!(
             matches!(
                 r,
@@ -308,7 +315,7 @@ mod tests {
         );
         let r = RunnerOptions::default()
             .with_dead_letter_topic(crate::DeadLetterTopic::Suffix(String::new()))
-            .validate();
+            .validate(1000);
         assert!(
             matches!(
                 r,
@@ -318,6 +325,40 @@ mod tests {
                 })
             ),
             "{r:?}"
+        );
+        // Counts a semaphore and buffers are sized by, a batch over the store's limit, and a
+        // poll interval librdkafka would round to zero.
+        for (o, expected) in [
+            (
+                RunnerOptions::default().with_max_in_flight(usize::MAX),
+                "max_in_flight",
+            ),
+            (
+                RunnerOptions::default().with_max_batches_per_partition(usize::MAX),
+                "max_batches_per_partition",
+            ),
+            (RunnerOptions::default().with_max_batch(1001), "max_batch"),
+            (
+                RunnerOptions::default().with_max_batch(usize::MAX),
+                "max_batch",
+            ),
+            (
+                RunnerOptions::default().with_poll_interval(Duration::from_nanos(1)),
+                "poll_interval",
+            ),
+        ] {
+            match o.validate(1000) {
+                Err(RunnerError::Config { field, .. }) => assert_eq!(field, expected),
+                other => panic!("{expected}: {other:?}"),
+            }
+        }
+        assert!(
+            RunnerOptions::default()
+                .with_max_batch(1000)
+                .with_max_in_flight(broker::MAX_IN_FLIGHT)
+                .with_poll_interval(Duration::from_millis(1))
+                .validate(1000)
+                .is_ok()
         );
     }
 }

@@ -261,7 +261,8 @@ where
     /// [`RunnerError::Config`] naming the bad option or property (no topic, no `group.id`, ...),
     /// [`RunnerError::Kafka`] when the producer cannot be created.
     pub fn build(self) -> Result<KafkaRunner<H, T, C, R>, RunnerError> {
-        self.options.validate()?;
+        self.options
+            .validate(self.executor.store().limits().max_batch)?;
         if self.topics.is_empty() || self.topics.iter().any(String::is_empty) {
             return Err(RunnerError::config(
                 "topics",

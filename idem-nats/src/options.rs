@@ -49,8 +49,9 @@ impl DeadLetterSubject {
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct RunnerOptions {
-    /// Messages processed at once (default 16). The runner pulls only as many messages as it
-    /// has free slots, so none waits in a client buffer with its ack deadline running.
+    /// Messages processed at once (default 16; 1 to [`broker::MAX_IN_FLIGHT`]). The runner pulls
+    /// only as many messages as it has free slots, so none waits in a client buffer with its ack
+    /// deadline running.
     pub max_in_flight: usize,
     /// Largest group of messages run through one executor batch (default 64; at least 1, at
     /// most the store's [`max_batch`](idem_core::Limits::max_batch)). The
@@ -61,8 +62,8 @@ pub struct RunnerOptions {
     /// message on its own (two store round trips per message; a slow handler then holds back no
     /// other message's ack).
     pub max_batch: usize,
-    /// How long one pull request waits for messages (default 1 s): the idle pace of pull
-    /// requests, and the longest a shutdown waits for the pull in flight.
+    /// How long one pull request waits for messages (default 1 s; at least 1 ms): the idle pace
+    /// of pull requests, and the longest a shutdown waits for the pull in flight.
     pub pull_expiry: Duration,
     /// Whether the runner creates the durable pull consumer when it does not exist (default
     /// `true`), with [`ack_wait`](Self::ack_wait), [`max_deliver`](Self::max_deliver) and
@@ -249,9 +250,7 @@ impl RunnerOptions {
         max_attempts: u32,
         store_max_batch: usize,
     ) -> Result<(), RunnerError> {
-        if self.max_in_flight == 0 {
-            return Err(RunnerError::config("max_in_flight", "must be at least 1"));
-        }
+        broker::check_count("max_in_flight", self.max_in_flight, broker::MAX_IN_FLIGHT)?;
         if self.max_batch == 0 || self.max_batch > store_max_batch {
             return Err(RunnerError::config(
                 "max_batch",
@@ -267,10 +266,26 @@ impl RunnerOptions {
             self.min_reconnect_delay,
             self.max_reconnect_delay,
         )?;
-        broker::check_nonzero([
-            ("pull_expiry", &self.pull_expiry),
-            ("publish_timeout", &self.publish_timeout),
-        ])?;
+        broker::check_nonzero([("publish_timeout", &self.publish_timeout)])?;
+        // The server takes these as 64-bit nanoseconds: a longer one wraps (a negative ack
+        // deadline, an expired pull, an unreadable nak delay); a pull shorter than a
+        // millisecond gets no answer.
+        let nanos = Duration::from_nanos(i64::MAX as u64);
+        broker::check_within(
+            [("pull_expiry", &self.pull_expiry)],
+            Duration::from_millis(1),
+            nanos,
+            "a shorter pull gets no answer from the server; NATS carries durations as 64-bit nanoseconds",
+        )?;
+        broker::check_within(
+            [
+                ("ack_wait", &self.ack_wait),
+                ("retry_delay", &self.max_retry_delay),
+            ],
+            Duration::ZERO,
+            nanos,
+            "NATS carries durations as 64-bit nanoseconds",
+        )?;
         self.lost_timeouts().validate()?;
         match &self.dead_letter_subject {
             DeadLetterSubject::Prefix(s) | DeadLetterSubject::Fixed(s) if s.is_empty() => {
@@ -395,6 +410,45 @@ mod tests {
                 5
             ),
             "dead_letter_subject"
+        );
+        // Counts a semaphore and buffers are sized by; durations NATS carries as 64-bit
+        // nanoseconds (a longer one wraps), and a pull too short to be answered.
+        let years = Duration::from_secs(300 * 365 * 24 * 3600);
+        for (o, expected) in [
+            (
+                RunnerOptions::default().with_max_in_flight(usize::MAX),
+                "max_in_flight",
+            ),
+            (
+                RunnerOptions::default().with_max_in_flight(broker::MAX_IN_FLIGHT + 1),
+                "max_in_flight",
+            ),
+            (
+                RunnerOptions::default().with_pull_expiry(Duration::from_micros(999)),
+                "pull_expiry",
+            ),
+            (
+                RunnerOptions::default().with_pull_expiry(Duration::MAX),
+                "pull_expiry",
+            ),
+            (RunnerOptions::default().with_ack_wait(years), "ack_wait"),
+            (
+                RunnerOptions::default().with_ack_wait(Duration::MAX),
+                "ack_wait",
+            ),
+            (
+                RunnerOptions::default().with_retry_delays(years, years),
+                "retry_delay",
+            ),
+        ] {
+            assert_eq!(field(o, HB, 5), expected);
+        }
+        assert!(
+            RunnerOptions::default()
+                .with_max_in_flight(broker::MAX_IN_FLIGHT)
+                .with_pull_expiry(Duration::from_millis(1))
+                .validate(HB, 5, 1000)
+                .is_ok()
         );
         // The server's default ack_wait (zero in a config) is 30 s.
         assert!(check_consumer(Duration::ZERO, -1, HB, 5).is_ok());

@@ -17,6 +17,6 @@ pub use dead_letter::{
 pub use error::RunnerError;
 pub use idem_executor::Handler;
 pub use message::SqsMessage;
-pub use options::{MAX_BATCH, MAX_VISIBILITY, MAX_WAIT_TIME, RunnerOptions};
+pub use options::{MAX_BATCH, MAX_DELETE_CALLS, MAX_VISIBILITY, MAX_WAIT_TIME, RunnerOptions};
 pub use runner::{SqsRunner, SqsRunnerBuilder};
 pub use stats::{RunnerStats, metric_names};

@@ -12,6 +12,8 @@ pub const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 3600);
 pub const MAX_WAIT_TIME: Duration = Duration::from_secs(20);
 /// The most messages one `ReceiveMessage` (and one batched delete) takes: 10.
 pub const MAX_BATCH: usize = 10;
+/// The most batched delete calls in flight at once ([`RunnerOptions::max_delete_calls`]).
+pub const MAX_DELETE_CALLS: usize = 1024;
 
 /// Options of an [`SqsRunner`](crate::SqsRunner). Every field has a default; set them with the
 /// `with_*` methods.
@@ -29,8 +31,9 @@ pub const MAX_BATCH: usize = 10;
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct RunnerOptions {
-    /// Messages processed at once (default 16). The runner receives only as many messages as it
-    /// has room for, so none waits in memory with its visibility running out.
+    /// Messages processed at once (default 16; 1 to [`broker::MAX_IN_FLIGHT`]). The runner
+    /// receives only as many messages as it has room for, so none waits in memory with its
+    /// visibility running out.
     pub max_in_flight: usize,
     /// The most messages asked for by one `ReceiveMessage` (default 10, at most 10).
     pub batch_size: usize,
@@ -69,8 +72,9 @@ pub struct RunnerOptions {
     /// Longest wait for the release of a lease whose handler had not started at the drain
     /// timeout (default 5 s, below [`orphan_timeout`](Self::orphan_timeout)).
     pub release_timeout: Duration,
-    /// Batched delete calls sent at once (default 4). Acknowledged messages wait while all are
-    /// in flight, and go out together in the next call (up to 10 per call).
+    /// Batched delete calls sent at once (default 4; 1 to [`MAX_DELETE_CALLS`]). Acknowledged
+    /// messages wait while all are in flight, and go out together in the next call (up to 10
+    /// per call).
     pub max_delete_calls: usize,
 }
 
@@ -196,15 +200,8 @@ impl RunnerOptions {
                 ))
             }
         };
-        if self.max_in_flight == 0 {
-            return Err(RunnerError::config("max_in_flight", "must be at least 1"));
-        }
-        if self.max_delete_calls == 0 {
-            return Err(RunnerError::config(
-                "max_delete_calls",
-                "must be at least 1",
-            ));
-        }
+        broker::check_count("max_in_flight", self.max_in_flight, broker::MAX_IN_FLIGHT)?;
+        broker::check_count("max_delete_calls", self.max_delete_calls, MAX_DELETE_CALLS)?;
         if !(1..=MAX_BATCH).contains(&self.batch_size) {
             return Err(RunnerError::config(
                 "batch_size",
@@ -241,11 +238,14 @@ impl RunnerOptions {
                 ),
             ));
         }
-        if self.min_retry_delay > self.max_retry_delay || self.max_retry_delay > MAX_VISIBILITY {
+        if self.min_retry_delay.is_zero()
+            || self.min_retry_delay > self.max_retry_delay
+            || self.max_retry_delay > MAX_VISIBILITY
+        {
             return Err(RunnerError::config(
                 "retry_delay",
                 format!(
-                    "min {:?} must be at most max {:?}, and max at most 12 h",
+                    "min {:?} must be above zero and at most max {:?}, and max at most 12 h",
                     self.min_retry_delay, self.max_retry_delay
                 ),
             ));
@@ -349,6 +349,29 @@ mod tests {
         assert_eq!(
             field(d().with_max_delete_calls(0).validate(HEARTBEAT)),
             "max_delete_calls"
+        );
+        // Counts semaphores are sized by, and a retry delay of zero (a message received again
+        // at once, in a loop).
+        assert_eq!(
+            field(d().with_max_in_flight(usize::MAX).validate(HEARTBEAT)),
+            "max_in_flight"
+        );
+        assert_eq!(
+            field(d().with_max_delete_calls(usize::MAX).validate(HEARTBEAT)),
+            "max_delete_calls"
+        );
+        assert_eq!(
+            field(
+                d().with_retry_delays(Duration::ZERO, Duration::from_secs(1))
+                    .validate(HEARTBEAT)
+            ),
+            "retry_delay"
+        );
+        assert!(
+            d().with_max_in_flight(broker::MAX_IN_FLIGHT)
+                .with_max_delete_calls(MAX_DELETE_CALLS)
+                .validate(HEARTBEAT)
+                .is_ok()
         );
     }
 }
