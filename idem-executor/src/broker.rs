@@ -696,9 +696,12 @@ where
                     );
                     drained.timed_out = true;
                     lost.cancel();
-                    deadline
-                        .as_mut()
-                        .reset(tokio::time::Instant::from_std(instant_after(timeouts.orphan)));
+                    // On Tokio's clock, which a test may have paused and advanced.
+                    let now = tokio::time::Instant::now();
+                    deadline.as_mut().reset(
+                        now.checked_add(timeouts.orphan)
+                            .unwrap_or_else(|| now + FAR_AWAY),
+                    );
                 }
             }
         }
@@ -1082,7 +1085,14 @@ mod tests {
         let mut tasks = JoinSet::new();
         let lost = CancellationToken::new();
         let watched = lost.clone();
-        tasks.spawn(async move { watched.cancelled().await });
+        // Outlives the drain timeout by far more than an orphan timeout of a few milliseconds.
+        let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let end = Arc::clone(&ended);
+        tasks.spawn(async move {
+            watched.cancelled().await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            end.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
         let drained = drain(
             &mut tasks,
             &lost,
@@ -1090,10 +1100,14 @@ mod tests {
                 drain: Duration::from_millis(20),
                 orphan: Duration::MAX,
             },
-            |joined| assert!(joined.is_ok()),
+            |joined| assert!(joined.is_ok(), "not aborted: {joined:?}"),
             async {},
         )
         .await;
+        assert!(
+            ended.load(std::sync::atomic::Ordering::SeqCst),
+            "the task ran to its end"
+        );
         assert_eq!(
             drained,
             Drained {

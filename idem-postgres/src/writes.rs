@@ -86,8 +86,10 @@ pub fn param<T: ToSql + Send + Sync + 'static>(value: T) -> PgParam {
 /// The statements run with the store's role, so they can reach what it can, its records table
 /// included: a statement that deletes or changes idem's records (this key's or another's)
 /// commits like any other, and a deleted record lets the next delivery run the effect again.
-/// Keep business tables out of the store's schema and never name it in the writes. A function
-/// that changes a session setting (`set_config(name, value, false)`) is not seen either.
+/// Keep business tables out of the store's schema and never name it in the writes. What else
+/// outlives the transaction on the pooled connection is not seen either: a function that changes
+/// a session setting (`set_config(name, value, false)`), a temporary table without `ON COMMIT
+/// DROP`, a cursor `WITH HOLD`.
 #[derive(Clone, Default)]
 pub struct PgWrites {
     pub(crate) statements: Vec<PgStatement>,
@@ -258,11 +260,14 @@ fn session_change(sql: &str) -> Option<&'static str> {
     let first = word(skip_blank(sql));
     let keyword = match first.to_ascii_uppercase().as_str() {
         "SET" => {
-            let next = word(skip_blank(&skip_blank(sql)[first.len()..]));
-            if ["LOCAL", "TRANSACTION", "CONSTRAINTS"]
+            let after = skip_blank(&skip_blank(sql)[first.len()..]);
+            let next = word(after);
+            // `SET local.x = 1` names a setting `local.x`: a session one.
+            let scoped = ["LOCAL", "TRANSACTION", "CONSTRAINTS"]
                 .iter()
                 .any(|scoped| next.eq_ignore_ascii_case(scoped))
-            {
+                && !after[next.len()..].starts_with('.');
+            if scoped {
                 return None;
             }
             "SET"
@@ -285,7 +290,8 @@ fn skip_blank(mut sql: &str) -> &str {
     loop {
         sql = sql.trim_start_matches(|c: char| c.is_whitespace() || c == ';');
         if let Some(rest) = sql.strip_prefix("--") {
-            sql = rest.find('\n').map_or("", |at| &rest[at..]);
+            // PostgreSQL's lexer ends a line comment at either.
+            sql = rest.find(['\n', '\r']).map_or("", |at| &rest[at..]);
         } else if sql.starts_with("/*") {
             let mut depth = 0usize;
             let mut i = 0;
@@ -402,6 +408,9 @@ mod tests {
             ("; BEGIN", Some("BEGIN")),
             ("-- c\n;\t/* d */ ; savepoint s", Some("SAVEPOINT")),
             ("INSERT INTO t VALUES (';COMMIT')", None),
+            // A line comment ends at a carriage return too.
+            ("-- x\rCOMMIT\nWORK", Some("COMMIT")),
+            ("-- x\r\nrollback", Some("ROLLBACK")),
         ] {
             assert_eq!(transaction_control(sql), found, "{sql:?}");
         }
@@ -428,6 +437,9 @@ mod tests {
             ("settle", None),
             ("UPDATE t SET x = 1", None),
             ("SELECT set_config('a.b', 'c', true)", None),
+            ("SET local.x = 1", Some("SET")),
+            ("set transaction.x TO 1", Some("SET")),
+            ("SET --\rsearch_path = \nlocal", Some("SET")),
         ] {
             assert_eq!(session_change(sql), found, "{sql:?}");
         }

@@ -398,7 +398,7 @@ where
                 self.tasks.spawn(async move {
                     let _permit = permit;
                     let span = message_span(&msg);
-                    common.process::<T>(&msg).instrument(span).await;
+                    common.process::<T>(&msg, false).instrument(span).await;
                 });
             }
             return;
@@ -425,18 +425,27 @@ where
                 let _finished = finished.drop_guard();
                 let (msgs, permits): (Vec<SqsMessage>, Vec<_>) = items.into_iter().unzip();
                 // The first of `msgs` not started yet: those from it on wait in memory, kept
-                // invisible meanwhile (the one in process keeps itself invisible).
+                // invisible meanwhile (the one in process keeps itself invisible). `extending`
+                // is held while an extension is in flight: a release or a start waits for it,
+                // so that no extension lands after them.
                 let next = AtomicUsize::new(0);
+                let extending = tokio::sync::Mutex::new(());
+                let waiting = Waiting {
+                    msgs: &msgs,
+                    next: &next,
+                    extending: &extending,
+                };
                 let work = async {
+                    let waited = before.is_some();
                     if let Some(before) = before {
                         before.cancelled().await;
                     }
-                    common.process_group::<T>(&msgs, permits, &next).await;
+                    common.process_group::<T>(&waiting, permits, waited).await;
                 };
                 tokio::select! {
                     biased;
                     () = work => {}
-                    never = common.keep_waiting_visible(&msgs, &next) => match never {},
+                    never = common.keep_waiting_visible(&waiting) => match never {},
                 }
             });
         }
@@ -486,25 +495,30 @@ where
     /// stays blocked while the retried message is invisible; LocalStack's does not.) At
     /// shutdown, the messages not started are made visible again at once.
     ///
-    /// `next` is kept at the index of the first message not started yet (`msgs.len()` once
-    /// none waits any more), for [`keep_waiting_visible`](Self::keep_waiting_visible).
+    /// `waiting.next` is kept at the index of the first message not started yet (`msgs.len()`
+    /// once none waits any more), for [`keep_waiting_visible`](Self::keep_waiting_visible);
+    /// `waited`: the first message waited for an earlier task of its group.
     async fn process_group<T>(
         &self,
-        msgs: &[SqsMessage],
+        waiting: &Waiting<'_>,
         permits: Vec<Option<OwnedSemaphorePermit>>,
-        next: &AtomicUsize,
+        waited: bool,
     ) where
         H: Handler<SqsMessage, R::Returns<T>>,
         R::Returns<T>: Send,
         T: Serialize + DeserializeOwned + Send + 'static,
     {
+        let msgs = waiting.msgs;
         for ((at, msg), permit) in msgs.iter().enumerate().zip(permits) {
             let (rest, visibility) = if self.drain.is_cancelled() {
                 (&msgs[at..], 0)
             } else {
-                next.store(at + 1, Ordering::Relaxed);
+                waiting.stop_at(at + 1).await;
                 let span = message_span(msg);
-                let done = self.process::<T>(msg).instrument(span).await;
+                let done = self
+                    .process::<T>(msg, waited || at > 0)
+                    .instrument(span)
+                    .await;
                 drop(permit);
                 match done {
                     Done::Resolved => continue,
@@ -512,7 +526,7 @@ where
                 }
             };
             // No more extensions: they would undo the release.
-            next.store(msgs.len(), Ordering::Relaxed);
+            waiting.stop_at(msgs.len()).await;
             if !rest.is_empty() {
                 worker::release(&self.client, &self.queue_url, &self.stats, rest, visibility).await;
             }
@@ -520,15 +534,16 @@ where
         }
     }
 
-    /// Keeps the messages of `msgs` from `next` on invisible, every `extend_every`, while they
-    /// wait for the messages of their group before them (the earlier tasks' and this task's).
-    async fn keep_waiting_visible(&self, msgs: &[SqsMessage], next: &AtomicUsize) -> Infallible {
+    /// Keeps the waiting messages invisible, every `extend_every`, while they wait for the
+    /// messages of their group before them (the earlier tasks' and this task's).
+    async fn keep_waiting_visible(&self, group: &Waiting<'_>) -> Infallible {
         let visibility = seconds_up(self.options.visibility_timeout);
         let mut at = tokio::time::Instant::now() + self.extend_every;
         loop {
             tokio::time::sleep_until(at).await;
             at += self.extend_every;
-            let waiting = &msgs[next.load(Ordering::Relaxed).min(msgs.len())..];
+            let _extending = group.extending.lock().await;
+            let waiting = &group.msgs[group.next.load(Ordering::SeqCst).min(group.msgs.len())..];
             if !waiting.is_empty() {
                 worker::set_visibility(
                     &self.client,
@@ -541,6 +556,24 @@ where
                 .await;
             }
         }
+    }
+}
+
+/// The messages of one FIFO group task and which of them still wait in memory.
+struct Waiting<'a> {
+    msgs: &'a [SqsMessage],
+    /// The first of `msgs` not started yet.
+    next: &'a AtomicUsize,
+    /// Held while an extension of the waiting messages is in flight.
+    extending: &'a tokio::sync::Mutex<()>,
+}
+
+impl Waiting<'_> {
+    /// From now on only the messages from `next` on wait; returns once no extension that
+    /// could still include the others is in flight.
+    async fn stop_at(&self, next: usize) {
+        self.next.store(next, Ordering::SeqCst);
+        drop(self.extending.lock().await);
     }
 }
 

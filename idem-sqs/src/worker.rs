@@ -57,8 +57,10 @@ where
     C: Codec,
     R: Recorder,
 {
-    /// Processes `msg` until it is resolved or retried, extending its visibility meanwhile.
-    pub(crate) async fn process<T>(&self, msg: &SqsMessage) -> Done
+    /// Processes `msg` until it is resolved or retried, extending its visibility meanwhile;
+    /// `waited`: it waited in memory (a FIFO group's message behind others), so its visibility
+    /// is extended at once, its last extension being up to an interval old.
+    pub(crate) async fn process<T>(&self, msg: &SqsMessage, waited: bool) -> Done
     where
         H: Handler<SqsMessage, R::Returns<T>>,
         R::Returns<T>: Send,
@@ -67,7 +69,7 @@ where
         tokio::select! {
             biased;
             done = self.resolve::<T>(msg) => done,
-            never = self.keep_visible(msg) => match never {},
+            never = self.keep_visible(msg, waited) => match never {},
         }
     }
 
@@ -76,9 +78,14 @@ where
     /// completion, the dead-letter send, the delete). A failed extension is logged and counted;
     /// the next one comes at the next interval, before the visibility runs out (the interval is
     /// at most half the visibility timeout).
-    async fn keep_visible(&self, msg: &SqsMessage) -> Infallible {
+    async fn keep_visible(&self, msg: &SqsMessage, at_once: bool) -> Infallible {
         let visibility = seconds_up(self.options.visibility_timeout);
-        let mut next = Instant::now() + self.extend_every;
+        let mut next = Instant::now()
+            + if at_once {
+                Duration::ZERO
+            } else {
+                self.extend_every
+            };
         loop {
             tokio::time::sleep_until(next).await;
             next += self.extend_every;

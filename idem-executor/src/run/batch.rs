@@ -423,8 +423,8 @@ fn share(e: &Arc<Error>) -> Error {
 }
 
 /// The cause of a whole call's `Unavailable` or `Backend` error, shared by its items (whose
-/// errors say the store and the kind themselves): shown as that cause, leading to what it leads
-/// to.
+/// errors say the store and the kind themselves): shown as that cause, and leading to it, so
+/// that a walk of the chain still finds the cause's own type.
 #[derive(Debug)]
 struct SharedCause(Arc<Error>);
 
@@ -439,7 +439,7 @@ impl std::fmt::Display for SharedCause {
 
 impl std::error::Error for SharedCause {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        std::error::Error::source(&*self.0).and_then(std::error::Error::source)
+        std::error::Error::source(&*self.0)
     }
 }
 
