@@ -75,7 +75,9 @@ pub struct RunnerOptions {
     /// executor's heartbeat interval: the runner sends a progress ack (`+WPI`) at every heartbeat
     /// interval while it holds a message, so the deadline never expires under a live lease.
     pub ack_wait: Duration,
-    /// The consumer's `max_deliver` when the runner creates it (default `None`: unlimited).
+    /// The consumer's `max_deliver` when the runner creates it (default `None`: unlimited;
+    /// `Some(-1)` means the same; `Some(0)` or another negative is a configuration error, which
+    /// the server would take as unlimited).
     /// When set, it must exceed the executor's
     /// [`max_attempts`](idem_executor::ExecutorConfig::max_attempts): every nak (a retry, a key in
     /// progress elsewhere) is a delivery too. A message on its last allowed delivery is never
@@ -296,6 +298,18 @@ impl RunnerOptions {
             }
             _ => {}
         }
+        if let Some(max_deliver) = self.max_deliver
+            && (max_deliver == 0 || max_deliver < -1)
+        {
+            return Err(RunnerError::config(
+                "max_deliver",
+                format!(
+                    "Some({max_deliver}): a consumer delivers a message a positive number of \
+                     times, or without limit (None, which the server calls -1; it takes 0 and \
+                     other negatives as unlimited too)"
+                ),
+            ));
+        }
         check_consumer(
             self.ack_wait,
             self.max_deliver.unwrap_or(-1),
@@ -384,6 +398,10 @@ mod tests {
                 .validate(HB, 5, 1000)
                 .is_ok()
         );
+        for nonsense in [0, -2, i64::MIN] {
+            let o = RunnerOptions::default().with_max_deliver(Some(nonsense));
+            assert_eq!(field(o, HB, 5), "max_deliver", "Some({nonsense})");
+        }
         assert_eq!(
             field(RunnerOptions::default().with_max_in_flight(0), HB, 5),
             "max_in_flight"
