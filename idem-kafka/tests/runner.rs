@@ -687,11 +687,15 @@ async fn shutdown_drains_the_record_in_process_and_commits_what_finished() {
         make_handler(true),
     )
     .topic(&topic)
-    // One record per batch, so that exactly one is in process at the shutdown.
+    // One record per batch, so that exactly one is in process at the shutdown. The drain and
+    // the final stop of the partitions' workers have no time limit (`Duration::MAX`): they
+    // wait, where a deadline taken as `now + timeout` would panic.
     .options(
         fast_options()
             .with_commit_interval(Duration::from_secs(60))
-            .with_max_batch(1),
+            .with_max_batch(1)
+            .with_drain_timeout(Duration::MAX)
+            .with_revoke_timeout(Duration::MAX),
     )
     .build()
     .unwrap();
