@@ -144,7 +144,8 @@ impl RedisStore {
     /// (refused before they wrote), and the items of a call to a primary that refused it
     /// unrun, go again in one call per hash slot (declared keys, routed and redirected by the
     /// driver; sent concurrently, in waves of [`MAX_CONCURRENT_CALLS`]), and the map is read
-    /// again for the next batch. Items that failed their checks keep their error and are not
+    /// again for the next batch, as it is after a primary did not answer in time (it may have
+    /// been failed over). Items that failed their checks keep their error and are not
     /// sent. Returns each item's reply, or its error.
     ///
     /// When every call fails, that is the batch's error. When some calls of a cluster batch
@@ -312,7 +313,13 @@ impl RedisStore {
                     stale = true;
                     rest.extend(group);
                 }
-                Err((e, false)) => answered.push((group, Err(e))),
+                Err((e, false)) => {
+                    // A primary that does not answer in time may have been failed over (cut off
+                    // by the network, its connections open): its items keep the error (they may
+                    // have run), and the next batch reads the map again.
+                    stale |= matches!(e, Error::Unavailable { .. });
+                    answered.push((group, Err(e)));
+                }
             }
         }
         if stale || !rest.is_empty() {

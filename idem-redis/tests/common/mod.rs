@@ -188,6 +188,25 @@ impl PrivateRedis {
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
+
+    /// Stops the process where it stands (`SIGSTOP`): it keeps its connections open and answers
+    /// nobody, as a node cut off by the network would, until [`resume`](Self::resume).
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a [`pause`](Self::pause)d process run again (`SIGCONT`).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, which: &str) {
+        let status = Command::new("kill")
+            .args([which, &self.child.id().to_string()])
+            .status()
+            .expect("kill(1)");
+        assert!(status.success(), "kill {which} failed");
+    }
 }
 
 fn run_server(port: u16, dir: &std::path::Path, persistence: &[String]) -> Child {
