@@ -1,9 +1,9 @@
 //! [`RedisStore`]: the store trait on Redis.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -39,9 +39,16 @@ struct Inner {
     config: RedisConfig,
     /// Requests the operations sent: see [`RedisStore::requests_sent`].
     sent: AtomicU64,
-    /// A cluster's slot map as the batches last read it (`None` before the first batch, and
-    /// after a batch met a key its map placed on the wrong primary).
+    /// A cluster's slot map as the store last read it (`None` before the first batch, after a
+    /// call met a key the map placed on the wrong primary, and after a call timed out).
     slot_map: Mutex<Option<Arc<SlotMap>>>,
+    /// Set once a call on a cluster did not answer in time (or could not reach its node): from
+    /// then on single calls go first to the primary the store's own slot map names, since the
+    /// driver's map, which a timeout does not refresh, may still name a primary that was
+    /// failed over while cut off.
+    single_calls_by_map: AtomicBool,
+    /// A background read of the slot map is under way (at most one at a time).
+    reading_slot_map: AtomicBool,
 }
 
 impl fmt::Debug for RedisStore {
@@ -133,6 +140,8 @@ impl RedisStore {
                 config,
                 sent: AtomicU64::new(0),
                 slot_map: Mutex::new(None),
+                single_calls_by_map: AtomicBool::new(false),
+                reading_slot_map: AtomicBool::new(false),
             }),
         }
     }
@@ -151,7 +160,8 @@ impl RedisStore {
     /// How many requests this store's operations have sent to Redis so far, counted as they
     /// are sent and shared by its clones: one `EVALSHA` per operation, one more (`EVAL` with
     /// the full script) when a node answered `NOSCRIPT`, and on a cluster one more per
-    /// redirection or retried refusal. Connecting (the handshake, loading the scripts) and the
+    /// redirection or retried refusal, and one `CLUSTER SLOTS` each time the store reads the
+    /// slot map (for batches, and after a call timed out). Connecting (the handshake, loading the scripts) and the
     /// driver's own reconnects and slot-map refreshes are not counted.
     ///
     /// A cheap way to watch round trips per operation (the conformance suite checks one per
@@ -203,6 +213,90 @@ impl RedisStore {
             .unwrap_or_else(PoisonError::into_inner) = None;
     }
 
+    /// After a call on a cluster did not answer in time or could not reach its node, or was
+    /// refused by a node its map named (`seen`: the map it went by; `None` when the driver
+    /// routed it): the cluster may have moved the slot, or failed the node over. Has single
+    /// calls go by the store's map from now on; drops that map, unless a newer one was read
+    /// meanwhile; and when none is left, reads it again in the background.
+    pub(crate) fn suspect_topology(&self, seen: Option<&Arc<SlotMap>>) {
+        self.inner
+            .single_calls_by_map
+            .store(true, Ordering::Relaxed);
+        {
+            let mut cached = self
+                .inner
+                .slot_map
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if let (Some(current), Some(seen)) = (cached.as_ref(), seen)
+                && Arc::ptr_eq(current, seen)
+            {
+                *cached = None;
+            }
+            if cached.is_some() {
+                return;
+            }
+        }
+        self.read_slot_map_later();
+    }
+
+    /// Reads the slot map in a task of its own (none when one is under way), so that no
+    /// operation waits on it.
+    fn read_slot_map_later(&self) {
+        if self.inner.reading_slot_map.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let store = self.clone();
+        tokio::spawn(async move {
+            let _ = store.slot_map().await;
+            store.inner.reading_slot_map.store(false, Ordering::Release);
+        });
+    }
+
+    /// One script on `key` (a cluster's single calls: see [`Inner::single_calls_by_map`]).
+    /// Once a call timed out, a call goes first to the primary the store's map names; if that
+    /// node refuses it unrun (the slot moved), or while the map is being read again, the driver
+    /// routes it, within what is left of the operation timeout.
+    async fn send(&self, key: &[u8], call: &Call<'_>) -> Result<Value> {
+        let inner = &self.inner;
+        let config = &inner.config;
+        let started = Instant::now();
+        if self.is_cluster() && inner.single_calls_by_map.load(Ordering::Relaxed) {
+            match self.cached_slot_map() {
+                Some(map) => {
+                    if let Some(p) = map.primary_of(Slot::for_key(key)) {
+                        let primary = &map.primaries()[p];
+                        let timeout = config.operation_timeout;
+                        match inner
+                            .conn
+                            .invoke_on(primary, call, timeout, &inner.sent)
+                            .await
+                        {
+                            Ok(value) => return Ok(value),
+                            Err((e, false)) => {
+                                if matches!(e, Error::Unavailable { .. }) {
+                                    self.suspect_topology(Some(&map));
+                                }
+                                return Err(e);
+                            }
+                            Err((_, true)) => self.suspect_topology(Some(&map)),
+                        }
+                    }
+                }
+                None => self.read_slot_map_later(),
+            }
+        }
+        let timeout = config.operation_timeout.saturating_sub(started.elapsed());
+        let result = inner
+            .conn
+            .invoke(call, timeout, config.retries, &inner.sent)
+            .await;
+        if self.is_cluster() && matches!(result, Err(Error::Unavailable { .. })) {
+            self.suspect_topology(None);
+        }
+        result
+    }
+
     /// Whether the store talks to a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
         matches!(self.inner.conn, Conn::Cluster(_))
@@ -216,18 +310,7 @@ impl RedisStore {
     /// Runs one script on `key`. A script that found an undecodable record answers
     /// `IDEMCORRUPT <reason>`, which becomes [`Error::CorruptRecord`].
     pub(crate) async fn run(&self, key: &[u8], call: &Call<'_>) -> Result<Value> {
-        let config = &self.inner.config;
-        let result = self
-            .inner
-            .conn
-            .invoke(
-                call,
-                config.operation_timeout,
-                config.retries,
-                &self.inner.sent,
-            )
-            .await;
-        match result {
+        match self.send(key, call).await {
             Err(Error::Backend { source, .. })
                 if source
                     .downcast_ref::<redis::RedisError>()
