@@ -317,9 +317,7 @@ impl RedisStore {
                     // A primary that does not answer in time may have been failed over (cut off
                     // by the network, its connections open): its items keep the error (they may
                     // have run), and the next batch reads the map again.
-                    if matches!(e, Error::Unavailable { .. }) {
-                        self.suspect_topology(Some(&map));
-                    }
+                    self.after_error(&e, Some(&map));
                     answered.push((group, Err(e)));
                 }
             }

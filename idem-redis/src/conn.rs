@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
-use idem_core::Error;
+use idem_core::{Error, TimedOut};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
@@ -576,6 +576,37 @@ fn slot_primaries(reply: &Value) -> Option<usize> {
     Some(primaries.len())
 }
 
+/// Whether `e` (an error [`map_error`] made, or a timeout) may mean that the cluster moved a
+/// slot or failed a node over: no answer in time, a connection refused, dropped or missing, or
+/// a node that says it no longer serves the key (`MOVED`, `ASK`, `CLUSTERDOWN`, `READONLY`,
+/// `MASTERDOWN`: a primary turned replica). A node that answers it is loading, busy, out of
+/// memory or asks to try again is still where the map says.
+pub(crate) fn topology_may_have_changed(e: &Error) -> bool {
+    let Error::Unavailable { source, .. } = e else {
+        return false;
+    };
+    if source.downcast_ref::<TimedOut>().is_some() {
+        return true;
+    }
+    source.downcast_ref::<RedisError>().is_some_and(|re| {
+        re.is_io_error()
+            || re.is_timeout()
+            || re.is_connection_refusal()
+            || re.is_connection_dropped()
+            || matches!(
+                re.kind(),
+                ErrorKind::ClusterConnectionNotFound
+                    | ErrorKind::Server(
+                        ServerErrorKind::ClusterDown
+                            | ServerErrorKind::Moved
+                            | ServerErrorKind::Ask
+                            | ServerErrorKind::ReadOnly
+                            | ServerErrorKind::MasterDown
+                    )
+            )
+    })
+}
+
 /// Maps a driver error: anything that says the server could not be reached or is not serving
 /// (I/O, timeouts, refused or dropped connections, cluster down or reconfiguring, loading, read
 /// only after a failover, out of memory, busy with a long script) is [`Error::Unavailable`];
@@ -654,6 +685,51 @@ fn install_crypto_provider() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_errors_that_may_mean_a_moved_slot_have_the_map_read_again() {
+        let server = |kind: ServerErrorKind| {
+            map_error(CLUSTER, RedisError::from((ErrorKind::Server(kind), "x")))
+        };
+        let io = |kind: std::io::ErrorKind| {
+            map_error(CLUSTER, RedisError::from(std::io::Error::from(kind)))
+        };
+        let changed = [
+            Error::timed_out(CLUSTER, Duration::from_secs(1)),
+            io(std::io::ErrorKind::TimedOut),
+            io(std::io::ErrorKind::ConnectionRefused),
+            io(std::io::ErrorKind::ConnectionReset),
+            map_error(
+                CLUSTER,
+                RedisError::from((ErrorKind::ClusterConnectionNotFound, "no connection")),
+            ),
+            server(ServerErrorKind::Moved),
+            server(ServerErrorKind::Ask),
+            server(ServerErrorKind::ClusterDown),
+            server(ServerErrorKind::ReadOnly),
+            server(ServerErrorKind::MasterDown),
+        ];
+        for e in &changed {
+            assert!(topology_may_have_changed(e), "{e:?}");
+        }
+        let extension = |code: &str| {
+            map_error(
+                CLUSTER,
+                redis::make_extension_error(code.to_owned(), Some("x".to_owned())),
+            )
+        };
+        let unchanged = [
+            extension("OOM"),
+            extension("BUSY"),
+            server(ServerErrorKind::BusyLoading),
+            server(ServerErrorKind::TryAgain),
+            server(ServerErrorKind::ResponseError),
+            extension("IDEMCORRUPT"),
+        ];
+        for e in &unchanged {
+            assert!(!topology_may_have_changed(e), "{e:?}");
+        }
+    }
 
     #[test]
     fn io_errors_are_unavailable_and_server_errors_are_backend() {

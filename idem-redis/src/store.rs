@@ -19,7 +19,7 @@ use redis::cluster_routing::Slot;
 
 use crate::codec::{self, Fenced};
 use crate::config::RedisConfig;
-use crate::conn::{Call, Conn};
+use crate::conn::{Call, Conn, topology_may_have_changed};
 use crate::scripts::{LuaScript, SCRIPTS, lua_scripts};
 use crate::slots::SlotMap;
 use crate::writes::{self, RedisWrites};
@@ -27,6 +27,10 @@ use crate::writes::{self, RedisWrites};
 /// An [`IdempotencyStore`] on Redis: one packed string per key, one Lua script per transition, on a
 /// single server or a Redis Cluster.
 ///
+/// The least time left that a single call refused unrun by the node the store's slot map named
+/// is sent again for, through the driver's routing.
+const MIN_FALLBACK: Duration = Duration::from_millis(10);
+
 /// See the [crate docs](crate) for the storage layout, the clock, the token scheme and the
 /// cluster notes. Cloning is cheap and shares the connection.
 #[derive(Clone)]
@@ -161,7 +165,8 @@ impl RedisStore {
     /// are sent and shared by its clones: one `EVALSHA` per operation, one more (`EVAL` with
     /// the full script) when a node answered `NOSCRIPT`, and on a cluster one more per
     /// redirection or retried refusal, and one `CLUSTER SLOTS` each time the store reads the
-    /// slot map (for batches, and after a call timed out). Connecting (the handshake, loading the scripts) and the
+    /// slot map (for batches, and after a call timed out: that read runs in the background, so
+    /// it may be counted between two operations). Connecting (the handshake, loading the scripts) and the
     /// driver's own reconnects and slot-map refreshes are not counted.
     ///
     /// A cheap way to watch round trips per operation (the conformance suite checks one per
@@ -213,24 +218,28 @@ impl RedisStore {
             .unwrap_or_else(PoisonError::into_inner) = None;
     }
 
-    /// After a call on a cluster did not answer in time or could not reach its node, or was
-    /// refused by a node its map named (`seen`: the map it went by; `None` when the driver
-    /// routed it): the cluster may have moved the slot, or failed the node over. Has single
-    /// calls go by the store's map from now on; drops that map, unless a newer one was read
-    /// meanwhile; and when none is left, reads it again in the background.
-    pub(crate) fn suspect_topology(&self, seen: Option<&Arc<SlotMap>>) {
-        self.inner
-            .single_calls_by_map
-            .store(true, Ordering::Relaxed);
+    /// After a call on a cluster met an error that may mean the cluster moved a slot or failed
+    /// a node over ([`topology_may_have_changed`]; `seen`: the map the call went by, `None`
+    /// when the driver routed it): has single calls go by the store's map from now on; drops
+    /// the map, unless a newer one was read meanwhile (the first time, whatever map is held:
+    /// it is the batches' and may be as old as the driver's); and when none is left, reads it
+    /// again in the background. Other errors change nothing.
+    pub(crate) fn after_error(&self, e: &Error, seen: Option<&Arc<SlotMap>>) {
+        if !topology_may_have_changed(e) {
+            return;
+        }
+        let first = !self.inner.single_calls_by_map.swap(true, Ordering::Relaxed);
         {
             let mut cached = self
                 .inner
                 .slot_map
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            if let (Some(current), Some(seen)) = (cached.as_ref(), seen)
-                && Arc::ptr_eq(current, seen)
-            {
+            let used = match (cached.as_ref(), seen) {
+                (Some(current), Some(seen)) => Arc::ptr_eq(current, seen),
+                _ => false,
+            };
+            if first || used {
                 *cached = None;
             }
             if cached.is_some() {
@@ -243,20 +252,37 @@ impl RedisStore {
     /// Reads the slot map in a task of its own (none when one is under way), so that no
     /// operation waits on it.
     fn read_slot_map_later(&self) {
+        /// Clears the flag however the task ends (a runtime shutting down drops it unfinished).
+        struct Reading(RedisStore);
+        impl Drop for Reading {
+            fn drop(&mut self) {
+                self.0
+                    .inner
+                    .reading_slot_map
+                    .store(false, Ordering::Release);
+            }
+        }
         if self.inner.reading_slot_map.swap(true, Ordering::AcqRel) {
             return;
         }
-        let store = self.clone();
+        let reading = Reading(self.clone());
         tokio::spawn(async move {
-            let _ = store.slot_map().await;
-            store.inner.reading_slot_map.store(false, Ordering::Release);
+            let _ = reading.0.slot_map().await;
+            drop(reading);
         });
     }
 
-    /// One script on `key` (a cluster's single calls: see [`Inner::single_calls_by_map`]).
-    /// Once a call timed out, a call goes first to the primary the store's map names; if that
-    /// node refuses it unrun (the slot moved), or while the map is being read again, the driver
-    /// routes it, within what is left of the operation timeout.
+    /// One script on `key`. On a cluster, once a call met an error that may mean the topology
+    /// changed (see [`after_error`](Self::after_error)), a single call goes first to the
+    /// primary the store's map names, by address; if that node refuses it unrun (the slot
+    /// moved, or the driver has no connection to that node yet), or while the map is being
+    /// read again, the driver routes it, within what is left of the operation timeout.
+    ///
+    /// (The driver's own slot map is not refreshed by a timeout: without this, after a primary
+    /// that hangs is failed over, its keys would time out until it answers again. In redis-rs
+    /// 1.8 the first call by address to a node the driver has no connection to fails unrun with
+    /// `ClusterConnectionNotFound`, which also has the driver reconnect from its initial nodes
+    /// and read the slots again.)
     async fn send(&self, key: &[u8], call: &Call<'_>) -> Result<Value> {
         let inner = &self.inner;
         let config = &inner.config;
@@ -273,13 +299,15 @@ impl RedisStore {
                             .await
                         {
                             Ok(value) => return Ok(value),
-                            Err((e, false)) => {
-                                if matches!(e, Error::Unavailable { .. }) {
-                                    self.suspect_topology(Some(&map));
+                            Err((e, unrun)) => {
+                                self.after_error(&e, Some(&map));
+                                // Too little time left for another try: the call surely did
+                                // not run, and says why.
+                                let left = timeout.saturating_sub(started.elapsed());
+                                if !unrun || left < MIN_FALLBACK {
+                                    return Err(e);
                                 }
-                                return Err(e);
                             }
-                            Err((_, true)) => self.suspect_topology(Some(&map)),
                         }
                     }
                 }
@@ -291,8 +319,8 @@ impl RedisStore {
             .conn
             .invoke(call, timeout, config.retries, &inner.sent)
             .await;
-        if self.is_cluster() && matches!(result, Err(Error::Unavailable { .. })) {
-            self.suspect_topology(None);
+        if let (true, Err(e)) = (self.is_cluster(), &result) {
+            self.after_error(e, None);
         }
         result
     }

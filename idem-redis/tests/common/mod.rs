@@ -157,6 +157,11 @@ impl PrivateRedis {
         Self::spawn(port, &["--appendonly", "no"])
     }
 
+    /// A server on `port` with `args` (`programs` checked the program).
+    pub fn start_on_with(port: u16, args: &[&str]) -> Self {
+        Self::spawn(port, args)
+    }
+
     fn spawn(port: u16, persistence: &[&str]) -> Self {
         let dir = std::env::temp_dir().join(format!("idem-redis-test-{port}"));
         // A directory left by an earlier run on this port may hold its data.
