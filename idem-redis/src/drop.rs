@@ -196,11 +196,7 @@ impl RedisStore {
             let store = self.clone();
             calls.spawn(async move {
                 let call = Call::new(&DROP_SCRIPT, DROP_RECORD, &key);
-                let (conn, sent) = store.conn_and_counter();
-                let config = store.config();
-                let reply = conn
-                    .invoke(&call, config.operation_timeout, config.retries, sent)
-                    .await?;
+                let reply = store.send(&key, &call).await?;
                 Ok::<_, Error>(matches!(reply, Value::Int(1)))
             });
         }

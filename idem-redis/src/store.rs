@@ -283,7 +283,7 @@ impl RedisStore {
     /// 1.8 the first call by address to a node the driver has no connection to fails unrun with
     /// `ClusterConnectionNotFound`, which also has the driver reconnect from its initial nodes
     /// and read the slots again.)
-    async fn send(&self, key: &[u8], call: &Call<'_>) -> Result<Value> {
+    pub(crate) async fn send(&self, key: &[u8], call: &Call<'_>) -> Result<Value> {
         let inner = &self.inner;
         let config = &inner.config;
         let started = Instant::now();
