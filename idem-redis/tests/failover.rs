@@ -149,14 +149,7 @@ async fn nodes(port: u16) -> Option<Vec<Node>> {
             .and_then(|a| a.rsplit(':').next())
             .and_then(|p| p.parse().ok())
             .expect("a node address");
-        let ranges = f[8..]
-            .iter()
-            .filter(|r| !r.starts_with('['))
-            .map(|r| match r.split_once('-') {
-                Some((a, b)) => (a.parse().unwrap(), b.parse().unwrap()),
-                None => (r.parse().unwrap(), r.parse().unwrap()),
-            })
-            .collect();
+        let ranges = common::slots::slot_ranges(&f);
         Node {
             id: f[0].to_owned(),
             port,

@@ -33,17 +33,23 @@ pub async fn masters() -> Vec<Master> {
             .get_multiplexed_async_connection()
             .await
             .unwrap();
-        let ranges = fields[8..]
-            .iter()
-            .filter(|r| !r.starts_with('['))
-            .map(|r| match r.split_once('-') {
-                Some((a, b)) => (a.parse().unwrap(), b.parse().unwrap()),
-                None => (r.parse().unwrap(), r.parse().unwrap()),
-            })
-            .collect();
+        let ranges = slot_ranges(&fields);
         masters.push((fields[0].to_owned(), conn, ranges, addr.to_owned()));
     }
     masters
+}
+
+/// The slot ranges a `CLUSTER NODES` line (split on whitespace) says its node serves; slots
+/// being migrated (`[...]`) are left out.
+pub fn slot_ranges(fields: &[&str]) -> Vec<(u16, u16)> {
+    fields[8..]
+        .iter()
+        .filter(|r| !r.starts_with('['))
+        .map(|r| match r.split_once('-') {
+            Some((a, b)) => (a.parse().unwrap(), b.parse().unwrap()),
+            None => (r.parse().unwrap(), r.parse().unwrap()),
+        })
+        .collect()
 }
 
 pub async fn setslot(conn: &mut redis::aio::MultiplexedConnection, slot: u16, how: &[&str]) {
