@@ -5,7 +5,8 @@
 //! - **hand-written**: the cheapest dedupe there is, `SET key pending NX PX` then `SET key
 //!   result PX` in Redis around a no-op handler, then the ack (none of idem's guarantees: no
 //!   fencing, no heartbeat, no conflict detection, no retry or dead-lettering);
-//! - **runner**: [`AmqpRunner`] with the Redis store around the same no-op handler.
+//! - **runner**: [`AmqpRunner`] with the Redis store around the same no-op handler;
+//! - and, for the runner's own share, the runner over a `MemoryStore` (no store round trip).
 //!
 //! Every consumer runs with the same prefetch (the raw and hand-written ones each delivery in its
 //! own task, the runner the deliveries at hand in groups) over 20,000
@@ -27,6 +28,7 @@ use idem_amqp::lapin::options::{
 use idem_amqp::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem_amqp::{AmqpMessage, AmqpRunner, QueueTopology, RunnerOptions};
+use idem_core::DynStore;
 use idem_executor::{Executor, ExecutorConfig, HandlerContext, HandlerError, Message};
 use idem_redis::{RedisConfig, RedisStore};
 use tokio_util::sync::CancellationToken;
@@ -106,12 +108,20 @@ async fn bench() {
     );
 
     let runner = measure(&conn, &format!("bench-runner-{run}"), &keys, |queue| {
-        with_runner(url.clone(), queue, format!("bench-runner-{run}:"))
+        with_runner(url.clone(), queue, Some(format!("bench-runner-{run}:")))
     })
     .await;
     println!(
         "  AmqpRunner + RedisStore:         {:>9.0} msg/s",
         rate(n, runner)
+    );
+    let memory = measure(&conn, &format!("bench-memory-{run}"), &keys, |queue| {
+        with_runner(url.clone(), queue, None)
+    })
+    .await;
+    println!(
+        "  AmqpRunner + MemoryStore:        {:>9.0} msg/s (the runner and the broker without a store round trip)",
+        rate(n, memory)
     );
     println!(
         "  runner / hand-written: {:.2} (target >= 0.80); raw / runner: {:.1}",
@@ -287,13 +297,20 @@ async fn hand_written(
     .await
 }
 
-async fn with_runner(url: String, queue: String, prefix: String) -> Instant {
+/// The runner over the Redis store (keys under `prefix`), or over a `MemoryStore` (`None`);
+/// returns when every message was settled.
+async fn with_runner(url: String, queue: String, prefix: Option<String>) -> Instant {
     let total = depth(&url, &queue).await;
-    let store = RedisStore::connect_with(&redis_url(), RedisConfig::default().with_prefix(prefix))
-        .await
-        .unwrap();
+    let store: DynStore = match prefix {
+        Some(prefix) => Arc::new(
+            RedisStore::connect_with(&redis_url(), RedisConfig::default().with_prefix(prefix))
+                .await
+                .unwrap(),
+        ),
+        None => Arc::new(idem_core::MemoryStore::new()),
+    };
     let executor = Executor::new(
-        Arc::new(store),
+        store,
         ExecutorConfig::new("bench").with_retention(RECORD_TTL),
     )
     .unwrap();
