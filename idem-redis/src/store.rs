@@ -45,7 +45,7 @@ struct Inner {
     sent: AtomicU64,
     /// A cluster's slot map as the store last read it (`None` before the first batch, after a
     /// call met a key the map placed on the wrong primary, and after a call timed out).
-    slot_map: Mutex<Option<Arc<SlotMap>>>,
+    slot_map: Mutex<SlotMapCache>,
     /// Set once a call on a cluster did not answer in time (or could not reach its node): from
     /// then on single calls go first to the primary the store's own slot map names, since the
     /// driver's map, which a timeout does not refresh, may still name a primary that was
@@ -53,6 +53,22 @@ struct Inner {
     single_calls_by_map: AtomicBool,
     /// A background read of the slot map is under way (at most one at a time).
     reading_slot_map: AtomicBool,
+}
+
+/// The slot map a cluster store holds, and how many times one was dropped: a read that began
+/// before a drop may have seen the cluster before the change that had it dropped, so it does
+/// not become the held map (its caller still uses it once).
+#[derive(Default)]
+struct SlotMapCache {
+    map: Option<Arc<SlotMap>>,
+    drops: u64,
+}
+
+impl SlotMapCache {
+    fn drop_map(&mut self) {
+        self.map = None;
+        self.drops += 1;
+    }
 }
 
 impl fmt::Debug for RedisStore {
@@ -143,7 +159,7 @@ impl RedisStore {
                 conn,
                 config,
                 sent: AtomicU64::new(0),
-                slot_map: Mutex::new(None),
+                slot_map: Mutex::new(SlotMapCache::default()),
                 single_calls_by_map: AtomicBool::new(false),
                 reading_slot_map: AtomicBool::new(false),
             }),
@@ -193,29 +209,31 @@ impl RedisStore {
             return Ok(map);
         }
         let inner = &self.inner;
+        let drops = self.slot_map_cache().drops;
         let map = Arc::new(SlotMap::fetch(&inner.conn, &inner.config, &inner.sent).await?);
-        *inner
-            .slot_map
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&map));
+        let mut cache = self.slot_map_cache();
+        // Neither over a map read meanwhile (maybe newer), nor after a drop since the read
+        // began.
+        if cache.map.is_none() && cache.drops == drops {
+            cache.map = Some(Arc::clone(&map));
+        }
         Ok(map)
     }
 
-    fn cached_slot_map(&self) -> Option<Arc<SlotMap>> {
+    fn slot_map_cache(&self) -> std::sync::MutexGuard<'_, SlotMapCache> {
         self.inner
             .slot_map
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+    }
+
+    fn cached_slot_map(&self) -> Option<Arc<SlotMap>> {
+        self.slot_map_cache().map.clone()
     }
 
     /// Drops the slot map: the next batch reads it again.
     pub(crate) fn forget_slot_map(&self) {
-        *self
-            .inner
-            .slot_map
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = None;
+        self.slot_map_cache().drop_map();
     }
 
     /// After a call on a cluster met an error that may mean the cluster moved a slot or failed
@@ -230,19 +248,15 @@ impl RedisStore {
         }
         let first = !self.inner.single_calls_by_map.swap(true, Ordering::Relaxed);
         {
-            let mut cached = self
-                .inner
-                .slot_map
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            let used = match (cached.as_ref(), seen) {
+            let mut cache = self.slot_map_cache();
+            let used = match (cache.map.as_ref(), seen) {
                 (Some(current), Some(seen)) => Arc::ptr_eq(current, seen),
                 _ => false,
             };
             if first || used {
-                *cached = None;
+                cache.drop_map();
             }
-            if cached.is_some() {
+            if cache.map.is_some() {
                 return;
             }
         }
