@@ -99,6 +99,15 @@ async fn connect(port: u16) -> MultiplexedConnection {
         .unwrap()
 }
 
+/// The text node `port` answers to `command arg`; `None` when it does not answer.
+async fn text(port: u16, command: &str, arg: &str) -> Option<String> {
+    redis::cmd(command)
+        .arg(arg)
+        .query_async(&mut connect(port).await)
+        .await
+        .ok()
+}
+
 /// A primary as `CLUSTER NODES` lists it: its port, its replica's port, its slot ranges.
 struct Primary {
     port: u16,
@@ -127,20 +136,13 @@ struct Node {
 
 /// The cluster's nodes as node `port` sees them; `None` while the cluster is not in state ok.
 async fn nodes(port: u16) -> Option<Vec<Node>> {
-    let mut conn = connect(port).await;
-    let info: String = redis::cmd("CLUSTER")
-        .arg("INFO")
-        .query_async(&mut conn)
-        .await
-        .ok()?;
-    if !info.contains("cluster_state:ok") {
+    if !text(port, "CLUSTER", "INFO")
+        .await?
+        .contains("cluster_state:ok")
+    {
         return None;
     }
-    let listing: String = redis::cmd("CLUSTER")
-        .arg("NODES")
-        .query_async(&mut conn)
-        .await
-        .ok()?;
+    let listing = text(port, "CLUSTER", "NODES").await?;
     let parse = |line: &str| {
         let f: Vec<&str> = line.split_whitespace().collect();
         let port = f[1]
@@ -245,13 +247,10 @@ async fn the_store_follows_a_failover_away_from_a_primary_that_stopped_answering
     // Every replica has its primary's data link up, so that it is allowed to take over.
     for port in replicas {
         wait_for("a replica's link to its primary", || async move {
-            let mut conn = connect(port).await;
-            let info: String = redis::cmd("INFO")
-                .arg("replication")
-                .query_async(&mut conn)
-                .await
-                .ok()?;
-            info.contains("master_link_status:up").then_some(())
+            text(port, "INFO", "replication")
+                .await?
+                .contains("master_link_status:up")
+                .then_some(())
         })
         .await;
     }
