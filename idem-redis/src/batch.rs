@@ -23,7 +23,8 @@ use crate::store::RedisStore;
 /// goes when the previous one answered.
 const MAX_CONCURRENT_CALLS: usize = 8;
 
-/// The batch scripts: each one the single-key script of the same transition, run once per key.
+/// The batch scripts: each one the single-key script of the same transition, run once per key
+/// (behind a fast path for a fresh acquire and for a completion by the lease holder).
 struct BatchScripts {
     acquire: LuaScript,
     complete: LuaScript,
@@ -32,15 +33,27 @@ struct BatchScripts {
 }
 
 static BATCH: LazyLock<BatchScripts> = LazyLock::new(|| BatchScripts {
-    acquire: build_batch("acquire_many", include_str!("lua/acquire.lua"), true),
-    complete: build_batch("complete_many", include_str!("lua/complete.lua"), false),
-    fail: build_batch("fail_many", include_str!("lua/fail.lua"), false),
-    release: build_batch("release_many", include_str!("lua/release.lua"), false),
+    acquire: build_batch(
+        "acquire_many",
+        include_str!("lua/acquire.lua"),
+        Some(include_str!("lua/acquire_fast.lua")),
+        true,
+    ),
+    complete: build_batch(
+        "complete_many",
+        include_str!("lua/complete.lua"),
+        Some(include_str!("lua/complete_fast.lua")),
+        false,
+    ),
+    fail: build_batch("fail_many", include_str!("lua/fail.lua"), None, false),
+    release: build_batch("release_many", include_str!("lua/release.lua"), None, false),
 });
 
 /// The batch scripts: `acquire_many`, `complete_many`, `fail_many`, `release_many`. Each is the
 /// prelude, the single-key script of its transition wrapped as a function, and a loop that calls
-/// it once per key (`KEYS[i]`), in order (see the crate docs, "Batches"). Like
+/// it once per key (`KEYS[i]`), in order; an acquire of an absent key and a completion by the
+/// lease holder first go to a fast path that writes the same bytes (see the crate docs,
+/// "Batches"). Like
 /// [`lua_scripts`](crate::lua_scripts), for tools and operators: the store loads them itself.
 pub fn lua_batch_scripts() -> [&'static LuaScript; 4] {
     let b = &*BATCH;

@@ -71,12 +71,21 @@ fn build(name: &'static str, body: &str) -> LuaScript {
 
 /// A batch script: the prelude, the batch prelude (`lua/batch_prelude.lua`: one `TIME` per
 /// call, the records read with one `MGET`), the single-key `body` wrapped as the function `one`,
-/// then the loop of `lua/batch.lua`, which calls `one` once per key, in order. The batch thus
-/// runs the very code of the single-key script. `create_absent`: the transition may create a
-/// record where there is none (acquire), which it then writes with `SET NX`.
-pub(crate) fn build_batch(name: &'static str, body: &str, create_absent: bool) -> LuaScript {
+/// the transition's `fast` path (a Lua chunk defining `local function fast(args)`, or `None`),
+/// then the loop of `lua/batch.lua`, which calls `fast`, then `one` when `fast` declined, once
+/// per key, in order. The batch thus runs the very code of the single-key script, but for the
+/// cases a fast path takes, where it writes the same bytes by a shorter way. `create_absent`:
+/// the transition may create a record where there is none (acquire), which it then writes with
+/// `SET NX`.
+pub(crate) fn build_batch(
+    name: &'static str,
+    body: &str,
+    fast: Option<&str>,
+    create_absent: bool,
+) -> LuaScript {
+    let fast = fast.unwrap_or("local function fast(args) end");
     let source = format!(
-        "#!lua flags=allow-cross-slot-keys\n{COMMON}\nlocal CREATE_ABSENT = {create_absent}\n{}\nlocal function one(ARGV)\n{body}\nend\n{}",
+        "#!lua flags=allow-cross-slot-keys\n{COMMON}\nlocal CREATE_ABSENT = {create_absent}\n{}\nlocal function one(ARGV)\n{body}\nend\n{fast}\n{}",
         include_str!("lua/batch_prelude.lua"),
         include_str!("lua/batch.lua")
     );

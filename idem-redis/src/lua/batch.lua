@@ -10,6 +10,10 @@
 -- without (a cluster primary's items of many slots: the script's `allow-cross-slot-keys` flag
 -- lets it reach any key that primary serves), each item's record key comes first, then its own
 -- arguments. The body sees all n arguments in the single script's order.
+-- Each item first goes to `fast`, the transition's fast path for its commonest case (an
+-- acquire of an absent key, a completion by the lease holder: lua/acquire_fast.lua,
+-- lua/complete_fast.lua; the other transitions have none), which writes exactly what the body
+-- would and answers its reply, or answers nil having written nothing; then, on nil, to the body.
 -- Replies one element per item: the single script's own reply, or {-1, message} when that
 -- item's script raised an error (a corrupt record: `IDEMCORRUPT <reason>`; on a cluster, a key
 -- this node does not serve, refused at the item's first read, before any write), which fails
@@ -43,7 +47,10 @@ for i = 1, count do
     args[j] = ARGV[at]
     at = at + 1
   end
-  local ok, reply = pcall(one, args)
+  local ok, reply = pcall(fast, args)
+  if ok and reply == nil then
+    ok, reply = pcall(one, args)
+  end
   if ok then
     out[i] = reply
   elseif type(reply) == 'table' and reply.err ~= nil then

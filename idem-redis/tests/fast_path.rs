@@ -1,0 +1,615 @@
+//! The batch scripts' fast paths (`lua/acquire_fast.lua`, `lua/complete_fast.lua`) write
+//! exactly what the single-key bodies write, and decline, writing nothing, whatever they do not
+//! take for certain.
+//!
+//! A harness script is built from the store's own batch script (everything before its loop: the
+//! prelude, the body as `one`, the fast path as `fast`) and runs, in ONE call and so at one
+//! instant of the server clock, `fast` on key `a` and the body on key `b` of each pair, the two
+//! keys holding the same value beforehand. When `fast` answers, both replies, both values and
+//! both expiries must be equal; when it declines, `a` must be as it was. The values: records the
+//! store wrote in every shape a record takes (owners of 1 to 128 bytes, with and without a
+//! fingerprint, leases of 1 ms to a day, attempts past 127, taken over, retried, released,
+//! completed, failed, deleted), then each in-progress one altered byte by byte, cut short at
+//! every length, lengthened, and written with needless varint bytes.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{
+    AcquireOutcome, AcquireRequest, FailureKind, Fingerprint, IdempotencyStore, Lease, Namespace,
+};
+use idem_redis::{RedisStore, lua_batch_scripts};
+use redis::Value;
+
+/// The first line of `lua/batch.lua`: the harness replaces the loop from there on.
+const LOOP: &str = "-- The loop of every batch script";
+
+/// KEYS: pairs (a, b) holding the same value. ARGV[1]: how many arguments an item has; then each
+/// item's arguments, in the single script's order. Replies per pair: `fast`'s reply on `a` (an
+/// empty array when it declined), the body's reply on `b`, then each key's value (its bytes, or
+/// an array of its type when it is no string) and `PEXPIRETIME`, read after the deferred writes.
+const HARNESS: &str = r#"
+local per = tonumber(ARGV[1])
+local fast_out, one_out = {}, {}
+local function caught(e)
+  if type(e) == 'table' and e.err ~= nil then
+    return {-1, e.err}
+  end
+  return {-1, tostring(e)}
+end
+for i = 1, #KEYS / 2 do
+  local args = {}
+  for j = 1, per do
+    args[j] = ARGV[1 + (i - 1) * per + j]
+  end
+  key = KEYS[2 * i - 1]
+  local ok, reply = pcall(fast, args)
+  if not ok then
+    fast_out[i] = caught(reply)
+  elseif reply == nil then
+    fast_out[i] = false
+  else
+    fast_out[i] = reply
+  end
+  key = KEYS[2 * i]
+  ok, reply = pcall(one, args)
+  one_out[i] = ok and reply or caught(reply)
+end
+flush()
+local function value(k)
+  local t = redis.call('TYPE', k).ok
+  if t == 'string' then
+    return redis.call('GET', k)
+  end
+  return {t}
+end
+local out = {}
+for i = 1, #KEYS / 2 do
+  local a, b = KEYS[2 * i - 1], KEYS[2 * i]
+  local f, o = fast_out[i], one_out[i]
+  if f and failed_writes[a] then
+    f = {-1, failed_writes[a]}
+  end
+  if failed_writes[b] then
+    o = {-1, failed_writes[b]}
+  end
+  out[i] = {f or {}, o, value(a), value(b), redis.call('PEXPIRETIME', a),
+    redis.call('PEXPIRETIME', b)}
+end
+return out
+"#;
+
+/// The harness over the batch script named `name`.
+fn harness(name: &str) -> String {
+    let script = lua_batch_scripts()
+        .into_iter()
+        .find(|s| s.name == name)
+        .expect("batch script");
+    let at = script
+        .source
+        .find(LOOP)
+        .expect("the batch loop's first line");
+    let head = &script.source[..at];
+    assert!(
+        head.contains("local function fast(args)"),
+        "{name} has a fast path"
+    );
+    format!("{head}{HARNESS}")
+}
+
+/// What a pair holds before the call.
+#[derive(Clone, Debug)]
+enum Before {
+    Nothing,
+    Bytes(Vec<u8>),
+    /// A key of another type (a list).
+    List,
+}
+
+/// One item of a harness call: what its pair holds, its arguments, and whether the fast path
+/// must take it (`Some(true)`), must decline it (`Some(false)`), or may do either (`None`).
+struct Case {
+    before: Before,
+    args: Vec<Vec<u8>>,
+    fast: Option<bool>,
+    what: String,
+}
+
+struct Outcome {
+    fast_taken: usize,
+    declined: usize,
+}
+
+/// Runs `cases` through the harness of the batch script `name` and checks each pair.
+async fn check(admin: &mut common::Admin, prefix: &str, name: &str, cases: &[Case]) -> Outcome {
+    let script = harness(name);
+    let mut out = Outcome {
+        fast_taken: 0,
+        declined: 0,
+    };
+    let per = cases[0].args.len();
+    for (chunk_no, chunk) in cases.chunks(200).enumerate() {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(&script).arg(chunk.len() * 2);
+        let mut keys = Vec::new();
+        for i in 0..chunk.len() {
+            for side in ["a", "b"] {
+                keys.push(format!("{prefix}{name}:{chunk_no}:{i}:{side}"));
+            }
+        }
+        let mut mset = redis::cmd("MSET");
+        let mut lists = Vec::new();
+        for (case, pair) in chunk.iter().zip(keys.chunks(2)) {
+            for k in pair {
+                match &case.before {
+                    Before::Nothing => {}
+                    Before::Bytes(v) => {
+                        mset.arg(k).arg(v.as_slice());
+                    }
+                    Before::List => {
+                        lists.push(k);
+                    }
+                }
+            }
+        }
+        if mset.args_iter().count() > 1 {
+            admin.query::<()>(&mset).await;
+        }
+        for k in lists {
+            admin.query::<()>(redis::cmd("RPUSH").arg(k).arg("x")).await;
+        }
+        cmd.arg(&keys).arg(per);
+        for case in chunk {
+            assert_eq!(case.args.len(), per);
+            for a in &case.args {
+                cmd.arg(a.as_slice());
+            }
+        }
+        let replies: Vec<Vec<Value>> = admin.query(&cmd).await;
+        for (case, reply) in chunk.iter().zip(replies) {
+            let [fast, one, a, b, exp_a, exp_b] = <[Value; 6]>::try_from(reply).unwrap();
+            let declined = matches!(&fast, Value::Array(v) if v.is_empty());
+            if let Some(expected) = case.fast {
+                assert_eq!(
+                    !declined,
+                    expected,
+                    "{}: the fast path {} (reply {fast:?}, body {one:?})",
+                    case.what,
+                    if declined { "declined" } else { "took it" }
+                );
+            }
+            if declined {
+                out.declined += 1;
+                let type_is = |t: &[u8]| matches!(&a, Value::Array(v) if v[..] == [Value::BulkString(t.to_vec())]);
+                let unchanged = match (&case.before, &a) {
+                    (Before::Nothing, _) => type_is(b"none"),
+                    (Before::List, _) => type_is(b"list"),
+                    (Before::Bytes(v), Value::BulkString(now)) => v == now,
+                    _ => false,
+                };
+                assert!(unchanged, "{}: declined but wrote {a:?}", case.what);
+                let no_expiry = if matches!(case.before, Before::Nothing) {
+                    -2
+                } else {
+                    -1
+                };
+                assert_eq!(
+                    exp_a,
+                    Value::Int(no_expiry),
+                    "{}: declined but set an expiry",
+                    case.what
+                );
+            } else {
+                out.fast_taken += 1;
+                assert_eq!(fast, one, "{}: replies differ", case.what);
+                assert_eq!(a, b, "{}: stored values differ", case.what);
+                assert_eq!(exp_a, exp_b, "{}: expiries differ", case.what);
+            }
+        }
+    }
+    out
+}
+
+fn fp(seed: u8) -> Fingerprint {
+    Fingerprint::of([seed; 7])
+}
+
+fn lease_of(outcome: AcquireOutcome) -> Lease {
+    match outcome {
+        AcquireOutcome::Acquired { lease, .. } => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// The raw value at `key`'s record.
+async fn raw(
+    admin: &mut common::Admin,
+    store: &RedisStore,
+    lease_key: &idem_core::IdempotencyKey,
+) -> Option<Vec<u8>> {
+    let k = store.storage_key(lease_key);
+    admin.query(redis::cmd("GET").arg(k)).await
+}
+
+/// Records in every shape the store writes, each with the token a completion would present
+/// (the holder's for those in progress, some token for the others) and whether it is in
+/// progress.
+async fn shapes(
+    store: &RedisStore,
+    admin: &mut common::Admin,
+) -> Vec<(String, Vec<u8>, String, bool)> {
+    let ns = Namespace::new("fast").unwrap();
+    let mut out = Vec::new();
+    let mut n = 0;
+    let mut key = || {
+        n += 1;
+        ns.key(format!("k{n}")).unwrap()
+    };
+    let owners = [
+        "w".to_owned(),
+        "x".repeat(127),
+        "y".repeat(128),
+        "wörker ✓".to_owned(),
+    ];
+    let leases = [
+        Duration::from_millis(1),
+        Duration::from_millis(63),
+        Duration::from_millis(64),
+        Duration::from_secs(30),
+        Duration::from_secs(24 * 3600),
+    ];
+    for owner in &owners {
+        for ttl in leases {
+            for with_fp in [false, true] {
+                let k = key();
+                let mut req = AcquireRequest::new(k.clone(), owner.as_str()).with_lease_ttl(ttl);
+                if with_fp {
+                    req = req.with_fingerprint(fp(1));
+                }
+                let lease = lease_of(store.acquire(&req).await.unwrap());
+                let v = raw(admin, store, &k).await.unwrap();
+                out.push((
+                    format!(
+                        "first attempt, owner {} bytes, lease {ttl:?}, fingerprint {with_fp}",
+                        owner.len()
+                    ),
+                    v,
+                    lease.token.to_string(),
+                    true,
+                ));
+            }
+        }
+    }
+    // Taken over after the lease ran out (attempt 2, a creation time before the token's).
+    let k = key();
+    let req = AcquireRequest::new(k.clone(), "a")
+        .with_lease_ttl(Duration::from_millis(1))
+        .with_fingerprint(fp(2));
+    lease_of(store.acquire(&req).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let lease = lease_of(store.acquire(&req).await.unwrap());
+    assert_eq!(lease.attempt, 2);
+    out.push((
+        "taken over".into(),
+        raw(admin, store, &k).await.unwrap(),
+        lease.token.to_string(),
+        true,
+    ));
+    // Retried 130 times: attempts past one varint byte.
+    let k = key();
+    let req = AcquireRequest::new(k.clone(), "r").with_max_attempts(200);
+    let mut lease = lease_of(store.acquire(&req).await.unwrap());
+    for _ in 0..130 {
+        store
+            .fail(
+                &lease,
+                "again",
+                FailureKind::Retryable,
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+        lease = lease_of(store.acquire(&req).await.unwrap());
+    }
+    assert_eq!(lease.attempt, 131);
+    out.push((
+        "attempt 131".into(),
+        raw(admin, store, &k).await.unwrap(),
+        lease.token.to_string(),
+        true,
+    ));
+    // Released, then acquired again.
+    let k = key();
+    let req = AcquireRequest::new(k.clone(), "r");
+    let first = lease_of(store.acquire(&req).await.unwrap());
+    store.release(&first).await.unwrap();
+    out.push((
+        "released".into(),
+        raw(admin, store, &k).await.unwrap(),
+        first.token.to_string(),
+        false,
+    ));
+    let lease = lease_of(store.acquire(&req).await.unwrap());
+    out.push((
+        "acquired after a release".into(),
+        raw(admin, store, &k).await.unwrap(),
+        lease.token.to_string(),
+        true,
+    ));
+    // Finished records and a tombstone: never the fast path.
+    let k = key();
+    let lease = lease_of(
+        store
+            .acquire(&AcquireRequest::new(k.clone(), "c"))
+            .await
+            .unwrap(),
+    );
+    store
+        .complete(&lease, Bytes::from_static(b"done"), Duration::from_secs(60))
+        .await
+        .unwrap();
+    out.push((
+        "completed".into(),
+        raw(admin, store, &k).await.unwrap(),
+        lease.token.to_string(),
+        false,
+    ));
+    for kind in [FailureKind::Retryable, FailureKind::Terminal] {
+        let k = key();
+        let lease = lease_of(
+            store
+                .acquire(&AcquireRequest::new(k.clone(), "f"))
+                .await
+                .unwrap(),
+        );
+        store
+            .fail(&lease, "no", kind, Duration::from_secs(60))
+            .await
+            .unwrap();
+        out.push((
+            format!("failed {kind:?}"),
+            raw(admin, store, &k).await.unwrap(),
+            lease.token.to_string(),
+            false,
+        ));
+    }
+    let k = key();
+    let lease = lease_of(
+        store
+            .acquire(&AcquireRequest::new(k.clone(), "d"))
+            .await
+            .unwrap(),
+    );
+    assert!(store.delete(&k).await.unwrap());
+    out.push((
+        "tombstone".into(),
+        raw(admin, store, &k).await.unwrap(),
+        lease.token.to_string(),
+        false,
+    ));
+    out
+}
+
+/// The token text a record's bytes 2 to 9 hold.
+fn token_of(v: &[u8]) -> Option<String> {
+    let bytes: [u8; 8] = v.get(1..9)?.try_into().ok()?;
+    Some(u64::from_be_bytes(bytes).to_string())
+}
+
+fn complete_args(token: &str, result: &[u8]) -> Vec<Vec<u8>> {
+    vec![
+        token.as_bytes().to_vec(),
+        result.to_vec(),
+        b"60000".to_vec(),
+    ]
+}
+
+#[tokio::test]
+async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
+    let Some(store) = common::standalone().await else {
+        return;
+    };
+    let mut admin = common::Admin::of(&store).await;
+    let prefix = common::random_prefix();
+    let records = shapes(&store, &mut admin).await;
+
+    // Completions: each record with its own token (and others), then each in-progress record
+    // altered.
+    let mut cases = Vec::new();
+    for (what, v, token, in_progress) in &records {
+        cases.push(Case {
+            before: Before::Bytes(v.clone()),
+            args: complete_args(token, b"ok"),
+            fast: Some(*in_progress),
+            what: format!("{what}, its token"),
+        });
+        let t: u64 = token.parse().unwrap();
+        for other in [
+            format!("{}", t + 1),
+            format!("{}", t - 1),
+            format!("0{t}"),
+            format!("{t} "),
+            String::new(),
+            "x".into(),
+        ] {
+            cases.push(Case {
+                before: Before::Bytes(v.clone()),
+                args: complete_args(&other, b"ok"),
+                fast: Some(false),
+                what: format!("{what}, token {other:?}"),
+            });
+        }
+        if !*in_progress {
+            continue;
+        }
+        // Results: empty, bytes that look like a record, large.
+        for result in [&b""[..], &v[..], &[0xA2; 5000][..]] {
+            cases.push(Case {
+                before: Before::Bytes(v.clone()),
+                args: complete_args(token, result),
+                fast: Some(true),
+                what: format!("{what}, a result of {} bytes", result.len()),
+            });
+        }
+        for at in 0..v.len() {
+            let orig = v[at];
+            for b in [
+                0x00,
+                0x01,
+                0x7f,
+                0x80,
+                0xff,
+                orig ^ 0x01,
+                orig ^ 0x80,
+                orig ^ 0x10,
+            ] {
+                let mut m = v.clone();
+                m[at] = b;
+                let tok = token_of(&m).unwrap();
+                cases.push(Case {
+                    before: Before::Bytes(m),
+                    args: complete_args(&tok, b"ok"),
+                    fast: None,
+                    what: format!("{what}, byte {at} set to {b:#04x}"),
+                });
+            }
+        }
+        for len in 0..v.len() {
+            let m = v[..len].to_vec();
+            let tok = token_of(&m).unwrap_or_else(|| token.clone());
+            cases.push(Case {
+                before: Before::Bytes(m),
+                args: complete_args(&tok, b"ok"),
+                fast: Some(false),
+                what: format!("{what}, cut to {len} bytes"),
+            });
+        }
+        for extra in [&b"\0"[..], b"x", b"\x80"] {
+            let mut m = v.clone();
+            m.extend_from_slice(extra);
+            cases.push(Case {
+                before: Before::Bytes(m),
+                args: complete_args(token, b"ok"),
+                fast: Some(false),
+                what: format!("{what}, {extra:?} appended"),
+            });
+        }
+        // Needless varint bytes (0x80 then 0x00 in place of 0x00 and the like) at the attempts
+        // (byte 9) and the updated time (byte 10 for one-byte attempts), and a creation time of
+        // zero written out (flag 16 with a 0 after the updated time).
+        for at in [9, 10] {
+            if v[at] < 0x80 {
+                let mut m = v.clone();
+                m[at] |= 0x80;
+                m.insert(at + 1, 0);
+                cases.push(Case {
+                    before: Before::Bytes(m),
+                    args: complete_args(token, b"ok"),
+                    fast: Some(false),
+                    what: format!("{what}, varint at {at} with a needless byte"),
+                });
+            }
+        }
+        if v[0] & 16 == 0 && v[9] < 0x80 && v[10] < 0x80 {
+            let mut m = v.clone();
+            m[0] |= 16;
+            m.insert(11, 0);
+            cases.push(Case {
+                before: Before::Bytes(m),
+                args: complete_args(token, b"ok"),
+                fast: Some(false),
+                what: format!("{what}, a creation time of zero written out"),
+            });
+        }
+    }
+    cases.push(Case {
+        before: Before::List,
+        args: complete_args("1", b"ok"),
+        fast: Some(false),
+        what: "a list".into(),
+    });
+    cases.push(Case {
+        before: Before::Nothing,
+        args: complete_args("1", b"ok"),
+        fast: Some(false),
+        what: "no key".into(),
+    });
+    let complete = check(&mut admin, &prefix, "complete_many", &cases).await;
+    println!(
+        "completions: {} cases, the fast path took {} and declined {}",
+        cases.len(),
+        complete.fast_taken,
+        complete.declined
+    );
+    // Most single-byte changes leave a record the fast path must decline or may take (a byte of
+    // the owner, the fingerprint, the lease): both counts are far from zero.
+    assert!(
+        complete.fast_taken > 1_000,
+        "fast path took {}",
+        complete.fast_taken
+    );
+    assert!(
+        complete.declined > 1_000,
+        "fast path declined {}",
+        complete.declined
+    );
+
+    // Acquires: absent keys with every argument shape, owners changing from item to item (the
+    // fast path builds what items share once per owner and lease), and keys holding a record or
+    // another type, which it declines or (another type, read as absent) writes with SET NX like
+    // the body.
+    let mut cases = Vec::new();
+    let fps: [Vec<u8>; 2] = [Vec::new(), vec![0xAB; 32]];
+    for (i, owner) in ["w", "v", "w", &"x".repeat(128), "wörker ✓"]
+        .iter()
+        .enumerate()
+    {
+        for lease in ["1", "63", "64", "30000", "86400000"] {
+            for f in &fps {
+                cases.push(Case {
+                    before: Before::Nothing,
+                    args: vec![
+                        owner.as_bytes().to_vec(),
+                        lease.as_bytes().to_vec(),
+                        b"5".to_vec(),
+                        f.clone(),
+                    ],
+                    fast: Some(true),
+                    what: format!(
+                        "absent, owner {i}, lease {lease}, fingerprint {}",
+                        !f.is_empty()
+                    ),
+                });
+            }
+        }
+    }
+    for (what, v, _, _) in &records {
+        cases.push(Case {
+            before: Before::Bytes(v.clone()),
+            args: vec![
+                b"w".to_vec(),
+                b"30000".to_vec(),
+                b"5".to_vec(),
+                vec![0xAB; 32],
+            ],
+            fast: Some(false),
+            what: format!("acquire over: {what}"),
+        });
+    }
+    cases.push(Case {
+        before: Before::List,
+        args: vec![b"w".to_vec(), b"30000".to_vec(), b"5".to_vec(), Vec::new()],
+        fast: Some(true),
+        what: "acquire over a list".into(),
+    });
+    let acquire = check(&mut admin, &prefix, "acquire_many", &cases).await;
+    println!(
+        "acquires: {} cases, the fast path took {} and declined {}",
+        cases.len(),
+        acquire.fast_taken,
+        acquire.declined
+    );
+    assert!(acquire.fast_taken >= 50);
+}
