@@ -1,5 +1,5 @@
--- The fast path of an acquire batch (see lua/batch.lua): a key the batch found absent, which
--- no earlier item wrote. The single-key body would take its `r == nil` branch: a first
+-- The fast path of an acquire batch (see lua/batch.lua): a key found absent (`peek`), which no
+-- earlier item wrote. The single-key body would take its `r == nil` branch: a first
 -- attempt, token the server clock in µs, created and updated now, the lease from now, no
 -- expiry, written as created (`absent`). This builds the same record by concatenation: what
 -- every such item of the call shares (the token, the times, the owner's varint and bytes) is
@@ -8,7 +8,7 @@
 -- `fast_paths_write_exactly_what_the_single_key_bodies_write` checks both give the same bytes.
 local fast_owner, fast_lease, fast_prefix, fast_suffix, fast_reply
 local function fast(args)
-  if prefetched[key] ~= false or written[key] ~= nil then
+  if peek() ~= false then
     return nil
   end
   local owner, lease, fp = args[1], args[2], args[4]

@@ -39,6 +39,29 @@ read_value = function()
   return v
 end
 
+-- What a fast path (lua/batch.lua) starts from: the key's value as the body's first read would
+-- find it (false: no key, or with declared keys possibly one of another type, which an acquire's
+-- SET NX then refuses), or nil when the item must go to the body. With declared keys that is
+-- what an earlier item wrote or the MGET read; without (a cluster primary's items of many slots)
+-- the key is read here with GET and kept, so that the body, should the fast path decline, reads
+-- it from there (an absent key it reads again, as always); a read refused (a key of another
+-- type, a key this node does not serve) answers nil, and the body reads the key again and
+-- answers as it always does.
+local function peek()
+  local v = written[key]
+  if v == nil then
+    v = prefetched[key]
+  end
+  if v == nil then
+    v = redis.pcall('GET', key)
+    if type(v) == 'table' then
+      return nil
+    end
+    prefetched[key] = v
+  end
+  return v
+end
+
 -- Writes: each item's write takes effect at once, except in an acquire batch with declared keys,
 -- whose writes (none of them with an expiry) wait for the end of the call (`flush`): one
 -- `MSETNX` for the keys the batch found absent and one `MSET` for the others, in place of a

@@ -31,10 +31,7 @@ end
 local FAST_DONE = {1}
 local fast_retention, fast_expiry
 local function fast(args)
-  local v = written[key]
-  if v == nil then
-    v = prefetched[key]
-  end
+  local v = peek()
   if not v then
     return nil
   end
