@@ -118,6 +118,8 @@ enum Before {
     Bytes(Vec<u8>),
     /// A key of another type (a list).
     List,
+    /// The keys of the item before, as that item left them (the same key twice in a batch).
+    Previous,
 }
 
 /// One item of a harness call: what its pair holds, its arguments, and whether the fast path
@@ -150,10 +152,15 @@ async fn check(
     };
     let per = cases[0].args.len();
     for (chunk_no, chunk) in cases.chunks(200).enumerate() {
-        let mut keys = Vec::new();
-        for i in 0..chunk.len() {
+        let mut keys: Vec<String> = Vec::new();
+        for (i, case) in chunk.iter().enumerate() {
             for side in ["a", "b"] {
-                keys.push(format!("{prefix}{name}:{declared}:{chunk_no}:{i}:{side}"));
+                keys.push(if matches!(case.before, Before::Previous) {
+                    assert!(i > 0, "{}: no item before it in its call", case.what);
+                    keys[keys.len() - 2].clone()
+                } else {
+                    format!("{prefix}{name}:{declared}:{chunk_no}:{i}:{side}")
+                });
             }
         }
         let mut cmd = redis::cmd("EVAL");
@@ -169,7 +176,7 @@ async fn check(
         for (case, pair) in chunk.iter().zip(keys.chunks(2)) {
             for k in pair {
                 match &case.before {
-                    Before::Nothing => {}
+                    Before::Nothing | Before::Previous => {}
                     Before::Bytes(v) => {
                         mset.arg(k).arg(v.as_slice());
                     }
@@ -193,7 +200,9 @@ async fn check(
         }
         let replies: Vec<Vec<Value>> = admin.query(&cmd).await;
         // The pairs hold in-progress records, which have no expiry: remove them.
-        admin.query::<()>(redis::cmd("DEL").arg(&keys)).await;
+        let mut del = redis::cmd("DEL");
+        del.arg(&keys);
+        admin.query::<()>(&del).await;
         for (case, reply) in chunk.iter().zip(replies) {
             let [took, ra, rb, a, b, exp_a, exp_b, declined] =
                 <[Value; 8]>::try_from(reply).unwrap();
@@ -215,6 +224,9 @@ async fn check(
                 continue;
             }
             out.declined += 1;
+            if matches!(case.before, Before::Previous) {
+                continue;
+            }
             let Value::Array(declined) = declined else {
                 panic!("{}: no declined entry: {declined:?}", case.what)
             };
@@ -242,30 +254,47 @@ fn fp(seed: u8) -> Fingerprint {
     Fingerprint::of([seed; 7])
 }
 
-fn lease_of(outcome: AcquireOutcome) -> Lease {
-    match outcome {
+/// A record the store wrote, with the token a completion would present (the holder's for one in
+/// progress, the last holder's for the others).
+struct Shape {
+    what: String,
+    value: Vec<u8>,
+    token: String,
+    in_progress: bool,
+}
+
+impl Shape {
+    /// The record at `lease`'s key as it is now.
+    async fn of(
+        admin: &mut common::Admin,
+        store: &RedisStore,
+        lease: &Lease,
+        what: impl Into<String>,
+        in_progress: bool,
+    ) -> Self {
+        let value = admin
+            .query::<Option<Vec<u8>>>(redis::cmd("GET").arg(store.storage_key(&lease.key)))
+            .await
+            .expect("the record");
+        Self {
+            what: what.into(),
+            value,
+            token: lease.token.to_string(),
+            in_progress,
+        }
+    }
+}
+
+/// Acquires `req`, which must be free.
+async fn acquired(store: &RedisStore, req: &AcquireRequest) -> Lease {
+    match store.acquire(req).await.unwrap() {
         AcquireOutcome::Acquired { lease, .. } => lease,
         other => panic!("expected Acquired, got {other:?}"),
     }
 }
 
-/// The raw value at `key`'s record.
-async fn raw(
-    admin: &mut common::Admin,
-    store: &RedisStore,
-    lease_key: &idem_core::IdempotencyKey,
-) -> Option<Vec<u8>> {
-    let k = store.storage_key(lease_key);
-    admin.query(redis::cmd("GET").arg(k)).await
-}
-
-/// Records in every shape the store writes, each with the token a completion would present
-/// (the holder's for those in progress, some token for the others) and whether it is in
-/// progress.
-async fn shapes(
-    store: &RedisStore,
-    admin: &mut common::Admin,
-) -> Vec<(String, Vec<u8>, String, bool)> {
+/// Records in every shape the store writes.
+async fn shapes(store: &RedisStore, admin: &mut common::Admin) -> Vec<Shape> {
     let ns = Namespace::new("fast").unwrap();
     let mut out = Vec::new();
     let mut n = 0;
@@ -289,132 +318,68 @@ async fn shapes(
     for owner in &owners {
         for ttl in leases {
             for with_fp in [false, true] {
-                let k = key();
-                let mut req = AcquireRequest::new(k.clone(), owner.as_str()).with_lease_ttl(ttl);
+                let mut req = AcquireRequest::new(key(), owner.as_str()).with_lease_ttl(ttl);
                 if with_fp {
                     req = req.with_fingerprint(fp(1));
                 }
-                let lease = lease_of(store.acquire(&req).await.unwrap());
-                let v = raw(admin, store, &k).await.unwrap();
-                out.push((
-                    format!(
-                        "first attempt, owner {} bytes, lease {ttl:?}, fingerprint {with_fp}",
-                        owner.len()
-                    ),
-                    v,
-                    lease.token.to_string(),
-                    true,
-                ));
+                let lease = acquired(store, &req).await;
+                let what = format!(
+                    "first attempt, owner {} bytes, lease {ttl:?}, fingerprint {with_fp}",
+                    owner.len()
+                );
+                out.push(Shape::of(admin, store, &lease, what, true).await);
             }
         }
     }
-    // Taken over after the lease ran out (attempt 2, a creation time before the token's).
-    let k = key();
-    let req = AcquireRequest::new(k.clone(), "a")
+    // Taken over once the 1 ms lease ran out (attempt 2, a creation time before the token's).
+    let req = AcquireRequest::new(key(), "a")
         .with_lease_ttl(Duration::from_millis(1))
         .with_fingerprint(fp(2));
-    lease_of(store.acquire(&req).await.unwrap());
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let lease = lease_of(store.acquire(&req).await.unwrap());
+    acquired(store, &req).await;
+    let lease = loop {
+        match store.acquire(&req).await.unwrap() {
+            AcquireOutcome::Acquired { lease, .. } => break lease,
+            AcquireOutcome::InProgress { .. } => tokio::task::yield_now().await,
+            other => panic!("expected a takeover, got {other:?}"),
+        }
+    };
     assert_eq!(lease.attempt, 2);
-    out.push((
-        "taken over".into(),
-        raw(admin, store, &k).await.unwrap(),
-        lease.token.to_string(),
-        true,
-    ));
+    out.push(Shape::of(admin, store, &lease, "taken over", true).await);
     // Retried 130 times: attempts past one varint byte.
-    let k = key();
-    let req = AcquireRequest::new(k.clone(), "r").with_max_attempts(200);
-    let mut lease = lease_of(store.acquire(&req).await.unwrap());
+    let req = AcquireRequest::new(key(), "r").with_max_attempts(200);
+    let mut lease = acquired(store, &req).await;
     for _ in 0..130 {
-        store
-            .fail(
-                &lease,
-                "again",
-                FailureKind::Retryable,
-                Duration::from_secs(60),
-            )
-            .await
-            .unwrap();
-        lease = lease_of(store.acquire(&req).await.unwrap());
+        let retention = Duration::from_secs(60);
+        let failed = store.fail(&lease, "again", FailureKind::Retryable, retention);
+        failed.await.unwrap();
+        lease = acquired(store, &req).await;
     }
     assert_eq!(lease.attempt, 131);
-    out.push((
-        "attempt 131".into(),
-        raw(admin, store, &k).await.unwrap(),
-        lease.token.to_string(),
-        true,
-    ));
+    out.push(Shape::of(admin, store, &lease, "attempt 131", true).await);
     // Released, then acquired again.
-    let k = key();
-    let req = AcquireRequest::new(k.clone(), "r");
-    let first = lease_of(store.acquire(&req).await.unwrap());
+    let req = AcquireRequest::new(key(), "r");
+    let first = acquired(store, &req).await;
     store.release(&first).await.unwrap();
-    out.push((
-        "released".into(),
-        raw(admin, store, &k).await.unwrap(),
-        first.token.to_string(),
-        false,
-    ));
-    let lease = lease_of(store.acquire(&req).await.unwrap());
-    out.push((
-        "acquired after a release".into(),
-        raw(admin, store, &k).await.unwrap(),
-        lease.token.to_string(),
-        true,
-    ));
+    out.push(Shape::of(admin, store, &first, "released", false).await);
+    let lease = acquired(store, &req).await;
+    out.push(Shape::of(admin, store, &lease, "acquired after a release", true).await);
     // Finished records and a tombstone: never the fast path.
-    let k = key();
-    let lease = lease_of(
-        store
-            .acquire(&AcquireRequest::new(k.clone(), "c"))
-            .await
-            .unwrap(),
-    );
+    let lease = acquired(store, &AcquireRequest::new(key(), "c")).await;
+    let done = Bytes::from_static(b"done");
     store
-        .complete(&lease, Bytes::from_static(b"done"), Duration::from_secs(60))
+        .complete(&lease, done, Duration::from_secs(60))
         .await
         .unwrap();
-    out.push((
-        "completed".into(),
-        raw(admin, store, &k).await.unwrap(),
-        lease.token.to_string(),
-        false,
-    ));
+    out.push(Shape::of(admin, store, &lease, "completed", false).await);
     for kind in [FailureKind::Retryable, FailureKind::Terminal] {
-        let k = key();
-        let lease = lease_of(
-            store
-                .acquire(&AcquireRequest::new(k.clone(), "f"))
-                .await
-                .unwrap(),
-        );
-        store
-            .fail(&lease, "no", kind, Duration::from_secs(60))
-            .await
-            .unwrap();
-        out.push((
-            format!("failed {kind:?}"),
-            raw(admin, store, &k).await.unwrap(),
-            lease.token.to_string(),
-            false,
-        ));
+        let lease = acquired(store, &AcquireRequest::new(key(), "f")).await;
+        let failed = store.fail(&lease, "no", kind, Duration::from_secs(60));
+        failed.await.unwrap();
+        out.push(Shape::of(admin, store, &lease, format!("failed {kind:?}"), false).await);
     }
-    let k = key();
-    let lease = lease_of(
-        store
-            .acquire(&AcquireRequest::new(k.clone(), "d"))
-            .await
-            .unwrap(),
-    );
-    assert!(store.delete(&k).await.unwrap());
-    out.push((
-        "tombstone".into(),
-        raw(admin, store, &k).await.unwrap(),
-        lease.token.to_string(),
-        false,
-    ));
+    let lease = acquired(store, &AcquireRequest::new(key(), "d")).await;
+    assert!(store.delete(&lease.key).await.unwrap());
+    out.push(Shape::of(admin, store, &lease, "tombstone", false).await);
     out
 }
 
@@ -444,7 +409,13 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
     // Completions: each record with its own token (and others), then each in-progress record
     // altered.
     let mut cases = Vec::new();
-    for (what, v, token, in_progress) in &records {
+    for Shape {
+        what,
+        value: v,
+        token,
+        in_progress,
+    } in &records
+    {
         cases.push(Case {
             before: Before::Bytes(v.clone()),
             args: complete_args(token, b"ok"),
@@ -550,6 +521,34 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
             });
         }
     }
+    // Retentions changing from item to item (the fast path makes the expiry's text again only
+    // when the retention differs from the item before), a retention that is no number (left to
+    // the body, which fails it), and the same key completed again at once (a replay, which the
+    // fast path leaves to the body).
+    for (i, shape) in records.iter().filter(|r| r.in_progress).take(8).enumerate() {
+        for retention in ["x", "1", "86400000", "60000"] {
+            cases.push(Case {
+                before: Before::Bytes(shape.value.clone()),
+                args: vec![
+                    shape.token.clone().into_bytes(),
+                    b"ok".to_vec(),
+                    retention.into(),
+                ],
+                fast: Some(retention != "x"),
+                what: format!("{}, retention {retention} ({i})", shape.what),
+            });
+        }
+        cases.push(Case {
+            before: Before::Previous,
+            args: vec![
+                shape.token.clone().into_bytes(),
+                b"ok".to_vec(),
+                b"60000".to_vec(),
+            ],
+            fast: Some(false),
+            what: format!("{}, completed twice", shape.what),
+        });
+    }
     cases.push(Case {
         before: Before::List,
         args: complete_args("1", b"ok"),
@@ -585,10 +584,26 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
         );
     }
 
+    // Completions missing their retention, or their result too: left to the body.
+    let first = records.iter().find(|r| r.in_progress).unwrap();
+    for per in [1, 2] {
+        let args = complete_args(&first.token, b"ok")[..per].to_vec();
+        let cases = [Case {
+            before: Before::Bytes(first.value.clone()),
+            args,
+            fast: Some(false),
+            what: format!("a completion with {per} of its 3 arguments"),
+        }];
+        for declared in [true, false] {
+            check(&mut admin, &prefix, "complete_many", declared, &cases).await;
+        }
+    }
+
     // Acquires: absent keys with every argument shape, owners changing from item to item (the
-    // fast path builds what items share once per owner and lease), and keys holding a record or
-    // another type, which it declines or (another type, read as absent) writes with SET NX like
-    // the body.
+    // fast path builds what items share again when the owner or lease differs from the item
+    // before), leases that are not whole milliseconds or not numbers, the same key twice, and
+    // keys holding a record or another type, which it declines or (another type, read as absent
+    // with declared keys) writes with SET NX like the body.
     let mut cases = Vec::new();
     let fps: [Vec<u8>; 2] = [Vec::new(), vec![0xAB; 32]];
     for (i, owner) in ["w", "v", "w", &"x".repeat(128), "wörker ✓"]
@@ -614,7 +629,7 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
             }
         }
     }
-    for (what, v, _, _) in &records {
+    for Shape { what, value: v, .. } in &records {
         cases.push(Case {
             before: Before::Bytes(v.clone()),
             args: vec![
@@ -625,6 +640,21 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
             ],
             fast: Some(false),
             what: format!("acquire over: {what}"),
+        });
+    }
+    for lease in ["1.9999999", "0.9999999", "9007199000000000", "-5", "x"] {
+        let args = vec![b"w".to_vec(), lease.into(), b"5".to_vec(), Vec::new()];
+        cases.push(Case {
+            before: Before::Nothing,
+            args: args.clone(),
+            fast: Some(lease != "x"),
+            what: format!("absent, lease {lease}"),
+        });
+        cases.push(Case {
+            before: Before::Previous,
+            args,
+            fast: Some(false),
+            what: format!("absent, lease {lease}, the same key again"),
         });
     }
     cases.push(Case {
@@ -645,6 +675,17 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
             acquire.declined
         );
         assert!(acquire.fast_taken >= 50);
+    }
+    // An acquire with no fingerprint argument at all: the body takes it as none, and so does the
+    // fast path.
+    let cases = [Case {
+        before: Before::Nothing,
+        args: vec![b"w".to_vec(), b"30000".to_vec(), b"5".to_vec()],
+        fast: Some(true),
+        what: "an acquire with 3 of its 4 arguments".into(),
+    }];
+    for declared in [true, false] {
+        check(&mut admin, &prefix, "acquire_many", declared, &cases).await;
     }
     let dropped = store
         .drop_namespace(&Namespace::new("fast").unwrap())

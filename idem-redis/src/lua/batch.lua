@@ -13,7 +13,8 @@
 -- Each item first goes to `fast`, the transition's fast path for its commonest case (an
 -- acquire of an absent key, a completion by the lease holder: lua/acquire_fast.lua,
 -- lua/complete_fast.lua; the other transitions have none), which writes exactly what the body
--- would and answers its reply, or answers nil having written nothing; then, on nil, to the body.
+-- would and answers its reply, or answers nil having written nothing (arguments the body would
+-- fail on it leaves to the body); then, on nil, to the body.
 -- Replies one element per item: the single script's own reply, or {-1, message} when that
 -- item's script raised an error (a corrupt record: `IDEMCORRUPT <reason>`; on a cluster, a key
 -- this node does not serve, refused at the item's first read, before any write), which fails

@@ -32,7 +32,7 @@ local FAST_DONE = {1}
 local fast_retention, fast_expiry
 local function fast(args)
   local v = peek()
-  if not v then
+  if not v or args[2] == nil or tonumber(args[3]) == nil then
     return nil
   end
   -- In progress (state 0 and the lease flag 32), flags 8 and 16 as they come; a token below
