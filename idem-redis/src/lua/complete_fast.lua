@@ -9,10 +9,10 @@
 -- value cut short) answers nil and goes to the single-key body, which decides. The batch test
 -- `fast_paths_write_exactly_what_the_single_key_bodies_write` checks both give the same bytes.
 
--- The position after the varint at `pos` of `v`, or nil when it is cut short, longer than 7
--- bytes or not as `varint` writes it (a last byte of zero after others).
+-- The position after the varint at `pos` of `v` and its value, or nil when it is cut short,
+-- longer than 7 bytes or not as `varint` writes it (a last byte of zero after others).
 local function skip(v, pos)
-  local first = pos
+  local first, n, scale = pos, 0, 1
   while true do
     local b = byte(v, pos)
     if b == nil or pos - first >= 7 then
@@ -23,8 +23,10 @@ local function skip(v, pos)
       if b == 0 and pos - first > 1 then
         return nil
       end
-      return pos
+      return pos, n + b * scale
     end
+    n = n + (b - 128) * scale
+    scale = scale * 128
   end
 end
 
@@ -67,13 +69,9 @@ local function fast(args)
   if head % 16 >= 8 then
     owner_at = owner_at + 32
   end
-  local owner_len_end = skip(v, owner_at)
-  if owner_len_end == nil then
-    return nil
-  end
-  -- The owner ends the record (an in-progress record has no payload).
-  local n = read_varint(v, owner_at)
-  if owner_len_end + n ~= #v + 1 then
+  -- The owner (its length, then its bytes) ends the record: an in-progress one has no payload.
+  local owner_len_end, n = skip(v, owner_at)
+  if owner_len_end == nil or owner_len_end + n ~= #v + 1 then
     return nil
   end
   -- The write `write_value` makes in a completion batch (a SET with the expiry, then noted in
