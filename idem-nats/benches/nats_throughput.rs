@@ -15,7 +15,11 @@
 //! second and the runner / hand-written ratio (target: 0.8 or more).
 //!
 //! `cargo bench -p idem-nats --bench nats_throughput` with NATS and Redis up
-//! (`scripts/services.sh nats redis`); `IDEM_NATS_BENCH_MESSAGES` changes the count.
+//! (`scripts/services.sh nats redis`); `IDEM_NATS_BENCH_MESSAGES` changes the count,
+//! `IDEM_NATS_BENCH_MAX_BATCH` the runner's `max_batch` (default 64) and
+//! `IDEM_NATS_BENCH_RUNNER_IN_FLIGHT` its `max_in_flight` (default [`IN_FLIGHT`], as the
+//! hand-written consumer's handlers; that consumer's prefetching stream holds up to as many
+//! messages again, which the runner never does).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -71,10 +75,7 @@ async fn bench() {
         return;
     };
     let js = jetstream::new(client.clone());
-    let n: usize = std::env::var("IDEM_NATS_BENCH_MESSAGES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20_000);
+    let n = env_or("IDEM_NATS_BENCH_MESSAGES", 20_000);
     let unique = n - n / 5;
     let keys: Vec<String> = (0..n)
         .map(|i| format!("k{}", if i < unique { i } else { (i * 7919) % unique }))
@@ -154,6 +155,14 @@ async fn bench() {
         hand.as_secs_f64() / runner.as_secs_f64(),
         runner.as_secs_f64() / raw.as_secs_f64()
     );
+}
+
+/// The number in the environment variable `name`, or `default`.
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn rate(n: usize, d: Duration) -> f64 {
@@ -340,13 +349,8 @@ async fn with_runner(
     let runner = NatsRunner::builder(client, name, "workers", executor, handler)
         .options(
             RunnerOptions::default()
-                .with_max_in_flight(IN_FLIGHT)
-                .with_max_batch(
-                    std::env::var("IDEM_NATS_BENCH_MAX_BATCH")
-                        .ok()
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(64),
-                ),
+                .with_max_in_flight(env_or("IDEM_NATS_BENCH_RUNNER_IN_FLIGHT", IN_FLIGHT))
+                .with_max_batch(env_or("IDEM_NATS_BENCH_MAX_BATCH", 64)),
         )
         .build()
         .unwrap();

@@ -51,7 +51,8 @@ impl DeadLetterSubject {
 pub struct RunnerOptions {
     /// Messages processed at once (default 16; 1 to [`broker::MAX_IN_FLIGHT`]). The runner pulls
     /// only as many messages as it has free slots, so none waits in a client buffer with its ack
-    /// deadline running.
+    /// deadline running. A message's slot is freed as its final ack, nak or term is sent: the
+    /// wait for the server's confirmation of a double ack does not hold it.
     pub max_in_flight: usize,
     /// Largest group of messages run through one executor batch (default 64; at least 1, at
     /// most the store's [`max_batch`](idem_core::Limits::max_batch)). The

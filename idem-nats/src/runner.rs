@@ -2,8 +2,8 @@
 
 use std::future::Future;
 use std::marker::PhantomData;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
@@ -511,7 +511,6 @@ async fn deliver<H, T, C, R>(
 {
     let mut msgs = Vec::with_capacity(group.len());
     let mut settles = Vec::with_capacity(group.len());
-    let mut permits = Vec::with_capacity(group.len());
     for (message, permit) in group {
         let (sequence, delivered) = message
             .info()
@@ -535,9 +534,9 @@ async fn deliver<H, T, C, R>(
             max_deliver,
             span,
             settled: AtomicBool::new(false),
+            slot: Mutex::new(permit),
         });
         msgs.push(msg);
-        permits.push(permit);
     }
     let settles = &settles;
     let work = async {
@@ -566,7 +565,6 @@ async fn deliver<H, T, C, R>(
         () = work => {}
         () = keep_alive(&common, settles) => {}
     }
-    drop(permits);
 }
 
 /// Sends a progress ack for every message of `settles` not yet settled at every heartbeat
@@ -606,6 +604,10 @@ struct Settle<'a, H, C, R> {
     span: tracing::Span,
     /// Whether it is settled (no more progress acks).
     settled: AtomicBool,
+    /// The message's slot (none for a message taken on its last delivery without one), given
+    /// back as its final ack, nak or term is sent: the next pull need not wait for the server's
+    /// confirmation.
+    slot: Mutex<Option<OwnedSemaphorePermit>>,
 }
 
 impl<H, C, R> Settle<'_, H, C, R>
@@ -680,6 +682,7 @@ where
 
     /// Sends an ack of `kind`; `confirmed`: waits for the server's confirmation (double ack).
     async fn send(&self, kind: AckKind, confirmed: bool) {
+        self.free_slot();
         let sent = if confirmed {
             self.confirmed(kind).await
         } else {
@@ -689,6 +692,16 @@ where
             RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
             tracing::warn!(error = %e, "ack failed; the server redelivers the message after its ack deadline and the store replays it");
         }
+    }
+
+    /// Gives the message's slot back (once; later calls do nothing).
+    fn free_slot(&self) {
+        let slot = self
+            .slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        drop(slot);
     }
 
     /// A double ack: `kind` sent as a request to the message's reply subject, then the server's

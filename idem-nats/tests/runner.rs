@@ -725,6 +725,60 @@ async fn shutdown_drains_in_flight_messages() {
     delete_streams(&js, &name).await;
 }
 
+/// At most `max_in_flight` handlers run at once, and the runner does fill its slots: a slot is
+/// freed as its message's ack is sent (before the server confirms it), never earlier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_run_at_most_max_in_flight_at_once() {
+    let Some((client, js, name)) = streams_for("in-flight").await else {
+        return;
+    };
+    let msgs: Vec<Msg> = (0..120)
+        .map(|i| Msg::keyed(&format!("f{i}"), format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    publish(&js, &name, &msgs).await;
+    let store = shared(redis_store(&format!("{}:", unique("idem-nats-in-flight"))).await);
+    let running = Arc::new(AtomicU32::new(0));
+    let most = Arc::new(AtomicU32::new(0));
+    let (now, peak) = (Arc::clone(&running), Arc::clone(&most));
+    let handler = move |_msg: NatsMessage, _ctx: HandlerContext| {
+        let (now, peak) = (Arc::clone(&now), Arc::clone(&peak));
+        async move {
+            let at_once = now.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(at_once, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            now.fetch_sub(1, Ordering::SeqCst);
+            Ok::<_, HandlerError>(1u8)
+        }
+    };
+    let runner = NatsRunner::builder(
+        client,
+        &name,
+        "workers",
+        executor(store, ExecutorConfig::new("in-flight")),
+        handler,
+    )
+    .options(options().with_max_in_flight(8))
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let watched = Arc::clone(&stats);
+    let done = run_until(task, stop, Duration::from_secs(30), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.executed() == 120 })
+    })
+    .await;
+    assert!(done, "{stats:?}");
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        8,
+        "handlers at once: never more than max_in_flight, and that many reached"
+    );
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
 /// Runs 200 waiting messages with `max_batch` and returns the store requests sent for them.
 async fn requests_for_200(max_batch: usize) -> u64 {
     let client = connect(&nats_url()).await;
