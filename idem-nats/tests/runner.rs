@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use idem_core::{AcquireRequest, IdempotencyStore, Namespace, RecordState};
 use idem_executor::{ExecutorConfig, HandlerContext, HandlerError, Message};
-use idem_nats::{NatsMessage, NatsRunner, RunnerOptions};
-use tokio_util::sync::CancellationToken;
+use idem_nats::{NatsMessage, NatsRunner, RunnerOptions, RunnerStats};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 fn options() -> RunnerOptions {
     RunnerOptions::default()
@@ -657,18 +657,52 @@ async fn a_last_delivery_arriving_during_the_stop_is_run_not_nacked() {
     delete_streams(&js, &name).await;
 }
 
+/// Runs a runner (`run`, given the stop signal) until `stats` count `n` messages executed (at
+/// most 30 s), then stops it and waits for its drain.
+async fn run_until_executed<F, Fut>(stats: &Arc<RunnerStats>, n: u64, run: F)
+where
+    F: FnOnce(WaitForCancellationFutureOwned) -> Fut,
+    Fut: std::future::Future<Output = Result<(), idem_nats::RunnerError>> + Send + 'static,
+{
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(run(stop.clone().cancelled_owned()));
+    let watched = Arc::clone(stats);
+    let done = run_until(task, stop, Duration::from_secs(30), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.executed() == n })
+    })
+    .await;
+    assert!(done, "{stats:?}");
+}
+
+/// Fresh streams named after `kind` holding `n` messages keyed `{letter}0`, `{letter}1`, ...
+/// (payload `{"n":i}`), and a Redis store of the test's own; `None` without the servers.
+async fn published(
+    kind: &str,
+    letter: &str,
+    n: usize,
+) -> Option<(
+    idem_nats::async_nats::Client,
+    idem_nats::async_nats::jetstream::Context,
+    String,
+    idem_core::DynStore,
+)> {
+    let (client, js, name) = streams_for(kind).await?;
+    let msgs: Vec<Msg> = (0..n)
+        .map(|i| Msg::keyed(&format!("{letter}{i}"), format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    publish(&js, &name, &msgs).await;
+    let store = shared(redis_store(&format!("{}:", unique(&format!("idem-nats-{kind}")))).await);
+    Some((client, js, name, store))
+}
+
 /// Shutdown drains: the handlers in process finish and are acknowledged, nothing else starts,
 /// and what was not processed is still pending for the consumer, with no key left in progress.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_drains_in_flight_messages() {
-    let Some((client, js, name)) = streams_for("drain").await else {
+    let Some((client, js, name, store)) = published("drain", "d", 20).await else {
         return;
     };
-    let msgs: Vec<Msg> = (0..20)
-        .map(|i| Msg::keyed(&format!("d{i}"), format!(r#"{{"n":{i}}}"#)))
-        .collect();
-    publish(&js, &name, &msgs).await;
-    let store = shared(redis_store(&format!("{}:", unique("idem-nats-drain"))).await);
     let started = Arc::new(AtomicU32::new(0));
     let counter = Arc::clone(&started);
     let handler = move |_msg: NatsMessage, ctx: HandlerContext| {
@@ -729,14 +763,9 @@ async fn shutdown_drains_in_flight_messages() {
 /// freed as its message's ack is sent (before the server confirms it), never earlier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handlers_run_at_most_max_in_flight_at_once() {
-    let Some((client, js, name)) = streams_for("in-flight").await else {
+    let Some((client, js, name, store)) = published("in-flight", "f", 120).await else {
         return;
     };
-    let msgs: Vec<Msg> = (0..120)
-        .map(|i| Msg::keyed(&format!("f{i}"), format!(r#"{{"n":{i}}}"#)))
-        .collect();
-    publish(&js, &name, &msgs).await;
-    let store = shared(redis_store(&format!("{}:", unique("idem-nats-in-flight"))).await);
     let running = Arc::new(AtomicU32::new(0));
     let most = Arc::new(AtomicU32::new(0));
     let (now, peak) = (Arc::clone(&running), Arc::clone(&most));
@@ -761,15 +790,7 @@ async fn handlers_run_at_most_max_in_flight_at_once() {
     .build()
     .unwrap();
     let stats = runner.stats();
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
-    let watched = Arc::clone(&stats);
-    let done = run_until(task, stop, Duration::from_secs(30), move || {
-        let s = Arc::clone(&watched);
-        Box::pin(async move { s.executed() == 120 })
-    })
-    .await;
-    assert!(done, "{stats:?}");
+    run_until_executed(&stats, 120, |stop| runner.run(stop)).await;
     assert_eq!(
         most.load(Ordering::SeqCst),
         8,
@@ -797,15 +818,7 @@ async fn requests_for_200(max_batch: usize) -> u64 {
         .build()
         .expect("runner");
     let stats = runner.stats();
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
-    let watched = Arc::clone(&stats);
-    let done = run_until(task, stop, Duration::from_secs(30), move || {
-        let s = Arc::clone(&watched);
-        Box::pin(async move { s.executed() == 200 })
-    })
-    .await;
-    assert!(done, "{stats:?}");
+    run_until_executed(&stats, 200, |stop| runner.run(stop)).await;
     assert_eq!(
         consumer_state(&js, &name, "workers").await,
         (0, 0),
