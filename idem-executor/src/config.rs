@@ -453,8 +453,15 @@ impl ExecutorConfig {
                 ),
             ));
         }
+        if limits.max_batch == 0 {
+            return Err(ConfigError::new(
+                "store",
+                "the store's max_batch is 0: it takes no batch, and every message of a batch \
+                 (a runner's poll, pull or group) would fail with a store error, forever",
+            ));
+        }
         let record_batch = match self.batch.record_batch {
-            None => limits.max_batch.max(1),
+            None => limits.max_batch,
             Some(len) if len == 0 || len > limits.max_batch => {
                 return Err(ConfigError::new(
                     "batch",

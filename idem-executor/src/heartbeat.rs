@@ -73,6 +73,11 @@ impl Heartbeats {
         }
     }
 
+    /// The store the leases are extended on.
+    pub(crate) fn store(&self) -> &DynStore {
+        &self.store
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // Every critical section is a single map operation or a scan: a panic cannot leave the
         // state half-updated.

@@ -415,6 +415,17 @@ async fn a_record_batch_over_the_store_limit_is_a_config_error() {
         .unwrap_err();
         assert_eq!(e.field, "batch", "{window:?}");
     }
+    // A store that takes no batch: every batch call would fail, so every runner's would too.
+    let (_, clock) = manual_store();
+    let e = Executor::new(
+        Arc::new(MemoryStore::with_options(
+            clock,
+            Limits::default().with_max_batch(0),
+        )),
+        config(),
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "store");
 }
 
 // A real clock and short leases: a slow handler keeps its lease by heartbeats, and so does a
@@ -864,4 +875,75 @@ fn run_batch_future_is_send_for_send_handlers() {
     let msgs = vec![msg("a", "x")];
     let fut = exec.run_batch(&msgs, |i, _| async move { Ok::<_, HandlerError>(i) });
     assert_send(&fut);
+}
+
+/// A batch dropped while a message waits for a handler slot (a runner giving up on a batch whose
+/// running handler ignores its cancellation) gives that message's key back: the next owner runs
+/// it at once as the same attempt, rather than waiting out the lease and counting a takeover for
+/// a handler that never ran. The key whose handler did run stays in progress under its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_dropped_before_a_handler_ran_gives_its_key_back() {
+    let store = MemoryStore::new();
+    let exec = Executor::new(
+        Arc::new(store.clone()),
+        config().with_batch(BatchConfig::default().with_concurrency(1)),
+    )
+    .unwrap();
+    let msgs = [msg("stuck", "x"), msg("waiting", "y")];
+    let (running_tx, running_rx) = oneshot::channel();
+    let running_tx = std::sync::Mutex::new(Some(running_tx));
+    let call = exec.run_batch(&msgs, |i, _ctx| {
+        if let Some(tx) = running_tx.lock().unwrap().take() {
+            let _ = tx.send(i);
+        }
+        async move {
+            // The first handler never returns, cancellation or not.
+            if i == 0 {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, HandlerError>(())
+        }
+    });
+    let dropped = async {
+        tokio::select! {
+            _ = call => panic!("the first handler never returns"),
+            first = running_rx => assert_eq!(first.unwrap(), 0),
+        }
+    };
+    dropped.await;
+    let ns = idem_core::Namespace::new("batch").unwrap();
+    let state = |id: &'static str| {
+        let (store, key) = (store.clone(), ns.key(id).unwrap());
+        async move { store.get(&key).await.unwrap().unwrap().state }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !matches!(state("waiting").await, RecordState::Released) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the waiting key was not given back: {:?}",
+            state("waiting").await
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        matches!(state("stuck").await, RecordState::InProgress),
+        "{:?}",
+        state("stuck").await
+    );
+    let again = exec
+        .run(&msgs[1], |_ctx| async { Ok::<_, HandlerError>(()) })
+        .await;
+    match again.unwrap() {
+        Outcome::Executed(_) => {}
+        other => panic!("{other:?}"),
+    }
+    let record = store
+        .get(&ns.key("waiting").unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        record.attempts, 1,
+        "no attempt counted for the handler that never ran"
+    );
 }

@@ -381,9 +381,14 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         T: Serialize + DeserializeOwned,
     {
         match first {
-            First::Leased { leased, takeover } => {
+            First::Leased {
+                mut leased,
+                takeover,
+            } => {
                 let state = &leased.state;
                 if state.is_cancelled() || state.deadline() <= Instant::now() {
+                    // Lost: there is nothing to give back.
+                    leased.handled();
                     tracing::warn!(
                         "the lease ran out while the message waited for a handler slot: handler not run"
                     );

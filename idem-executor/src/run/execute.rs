@@ -36,6 +36,11 @@ enum Cancelled {
 }
 
 /// A lease held by this call, with its local deadline and (once needed) its heartbeat.
+///
+/// Dropped before its handler was called (the call dropped while the message waited for a
+/// handler slot, say a batch given up on a revocation), it gives the key back: a release is sent
+/// in the background, so that the next owner runs the handler at once, as this attempt, instead
+/// of waiting out the lease and counting a takeover for a handler that never ran.
 pub(super) struct Leased<'a> {
     heartbeats: &'a Arc<Heartbeats>,
     pub(super) state: Arc<LeaseState>,
@@ -43,6 +48,37 @@ pub(super) struct Leased<'a> {
     /// Where its completion or failure is sent: grouped with others in a batch, or (`None`)
     /// straight to the store.
     pub(super) records: Option<&'a RecordQueue>,
+    /// Whether its handler was called (or the lease found lost): then a drop releases nothing.
+    handled: bool,
+}
+
+/// How long a release sent for a lease dropped before its handler ran may take.
+const DROP_RELEASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Drop for Leased<'_> {
+    fn drop(&mut self) {
+        if self.handled {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.heartbeats.store().clone();
+        let lease = self.state.lease.clone();
+        runtime.spawn(async move {
+            match tokio::time::timeout(DROP_RELEASE_TIMEOUT, store.release(&lease)).await {
+                Ok(Ok(())) => {
+                    tracing::info!(key = %lease.key, token = %lease.token, "dropped before its handler ran: lease released");
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(key = %lease.key, error = %e, "dropped before its handler ran: lease release failed; the lease expires");
+                }
+                Err(_) => {
+                    tracing::warn!(key = %lease.key, "dropped before its handler ran: lease release timed out; the lease expires");
+                }
+            }
+        });
+    }
 }
 
 impl<'a> Leased<'a> {
@@ -59,7 +95,14 @@ impl<'a> Leased<'a> {
             state: LeaseState::new(lease, sent, ttl),
             registration: OnceLock::new(),
             records,
+            handled: false,
         }
+    }
+
+    /// Marks the lease as taken care of: its handler is called (or it was found lost), and a
+    /// drop releases nothing.
+    pub(super) fn handled(&mut self) {
+        self.handled = true;
     }
 
     /// The lease.
@@ -117,7 +160,7 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
     /// records what it came to.
     pub(super) async fn execute_leased<F, Fut, T>(
         &self,
-        leased: Leased<'_>,
+        mut leased: Leased<'_>,
         takeover: bool,
         handler: F,
     ) -> Result<Outcome<T>, ExecutorError>
@@ -126,6 +169,7 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
         T: Serialize + DeserializeOwned,
     {
+        leased.handled();
         let ctx = HandlerContext::leased(Arc::clone(&leased.state), takeover);
         let handled = {
             let mut run = pin!(catching(handler, ctx));
