@@ -18,6 +18,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -110,7 +111,6 @@ where
             open: true,
             carry: None,
             max_batch,
-            depth,
         };
         // The batches started after the one in process, in offset order; their first tries go on
         // while it is processed (resolved in order, tried again where needed).
@@ -301,8 +301,11 @@ where
 
     /// Processes a batch of records (in offset order) until every one is resolved or the worker
     /// must stop. Records are resolved in order: the first one that is not (busy key, retryable
-    /// failure, store error) is tried again after a pause together with every record after it
-    /// (those that completed meanwhile are then replayed from the store).
+    /// failure, store error) is tried again after a pause together with the records after it
+    /// (those that completed meanwhile are then replayed from the store), up to the first one
+    /// whose own retry is not due yet: a record whose attempt failed is tried again after its
+    /// own delay, never at the pace of a busy key before it (which would spend its attempts in
+    /// milliseconds).
     ///
     /// `first` holds the steps of the batch's first try.
     async fn process(&self, batch: &[KafkaMessage], first: Vec<Step<T>>) -> Next {
@@ -314,6 +317,12 @@ where
         // Records whose handler ran and completed here, possibly in a try of the batch that left
         // them unresolved (behind an unresolved record): counted as executed when resolved.
         let mut executed = vec![false; batch.len()];
+        // When each record whose attempt did not resolve it (a retryable failure, a lost lease,
+        // a store error) may be tried again; none for the others (a busy key's wait is the
+        // record's at the head, `busy`).
+        let mut due: Vec<Option<Instant>> = vec![None; batch.len()];
+        // The records the next try covers: from `start` to `end`.
+        let mut end = batch.len();
         loop {
             let steps = match first.take() {
                 Some(steps) => steps,
@@ -329,7 +338,7 @@ where
                     };
                     let steps = common
                         .execution
-                        .try_batch(&batch[start..], &self.revoke, self.timeouts())
+                        .try_batch(&batch[start..end], &self.revoke, self.timeouts())
                         .await;
                     drop(permit);
                     steps
@@ -337,14 +346,22 @@ where
             };
             let revoked = self.revoke.is_cancelled();
             self.count_released(&steps);
+            let now = Instant::now();
             for (at, step) in steps.iter().enumerate() {
-                if let Step::Done {
-                    result: Ok(Outcome::Executed(_)),
-                    ..
-                } = step
-                {
+                let Step::Done { result, .. } = step else {
+                    continue;
+                };
+                if let Ok(Outcome::Executed(_)) = result {
                     executed[start + at] = true;
                 }
+                due[start + at] = match (BrokerAction::of(result), result) {
+                    (BrokerAction::Ack | BrokerAction::DeadLetter { .. }, _)
+                    | (_, Ok(Outcome::InProgress { .. })) => None,
+                    (BrokerAction::Retry { after }, _) => {
+                        Some(now + common.options.retry_delay(after))
+                    }
+                    _ => Some(now + common.options.min_retry_delay),
+                };
             }
             let mut delay = None;
             for step in steps {
@@ -401,22 +418,35 @@ where
                             Ok(Outcome::InProgress { retry_after, .. }) => {
                                 busy.delay(&common.options, start, *retry_after)
                             }
-                            _ => common.options.retry_delay(after),
+                            _ => wait_until(due[start], now),
                         });
                         break;
                     }
                     _ => {
-                        delay = Some(common.options.min_retry_delay);
+                        delay = Some(wait_until(due[start], now));
                         break;
                     }
                 }
             }
-            let Some(delay) = delay else {
-                return if revoked { Next::Stop } else { Next::Continue };
+            let delay = match delay {
+                Some(delay) => delay,
+                // Every record tried is resolved.
+                None if start == batch.len() => {
+                    return if revoked { Next::Stop } else { Next::Continue };
+                }
+                // The rest were left out of the try, their retries not due: the next waits for
+                // its own.
+                None if revoked => return Next::Abandoned,
+                None => wait_until(due[start], now),
             };
-            if !self.pause_before_retry(delay).await {
+            if !delay.is_zero() && !self.pause_before_retry(delay).await {
                 return Next::Abandoned;
             }
+            // The head's retry is due; the try ends before the first record whose own is not.
+            let now = Instant::now();
+            end = (start + 1..batch.len())
+                .find(|&i| due[i].is_some_and(|at| at > now))
+                .unwrap_or(batch.len());
         }
     }
 
@@ -525,8 +555,6 @@ struct Queue {
     /// batch in process, or no slot was free): it starts the next one.
     carry: Option<KafkaMessage>,
     max_batch: usize,
-    /// Most batches of the partition in process at once.
-    depth: usize,
 }
 
 impl Queue {
@@ -536,32 +564,31 @@ impl Queue {
     }
 
     /// The batch that starts with `first`: the records waiting after it, up to `max_batch`,
-    /// ending before the first one whose key a batch in process holds (`held`; that record is
-    /// kept for the next batch), and the keys of its records (only read when batches of the
-    /// partition can overlap).
+    /// ending before the first one whose key a batch in process holds (`held`) or an earlier
+    /// record of this batch has (that record is kept for the next batch), and the keys of its
+    /// records. So a key has one record per batch: a later one runs once the batch of the
+    /// earlier one is resolved, as in the strict mode, and not right after an attempt that
+    /// failed (which would spend the next attempt at once, the retry delay skipped).
     fn gather(
         &mut self,
         key: impl Fn(&KafkaMessage) -> Option<String>,
         first: KafkaMessage,
         held: &[&HashSet<String>],
     ) -> (Vec<KafkaMessage>, HashSet<String>) {
-        let overlap = self.depth > 1;
         let mut keys = HashSet::new();
         let mut batch = Vec::with_capacity(self.max_batch);
-        if overlap {
-            keys.extend(key(&first));
-        }
+        keys.extend(key(&first));
         batch.push(first);
         while batch.len() < self.max_batch {
             let Ok(msg) = self.records.try_recv() else {
                 break;
             };
-            if overlap {
-                if is_held(&key, &msg, held) {
+            if let Some(k) = key(&msg) {
+                if keys.contains(&k) || held.iter().any(|h| h.contains(&k)) {
                     self.carry = Some(msg);
                     break;
                 }
-                keys.extend(key(&msg));
+                keys.insert(k);
             }
             batch.push(msg);
         }
@@ -668,6 +695,11 @@ impl BusyWait {
         next.min(retry_after + Duration::from_millis(1))
             .clamp(options.min_retry_delay, options.max_retry_delay)
     }
+}
+
+/// How long from `now` until `due` (none: no wait).
+fn wait_until(due: Option<Instant>, now: Instant) -> Duration {
+    due.map_or(Duration::ZERO, |at| at.saturating_duration_since(now))
 }
 
 /// Locks a flow; a poisoned lock (a panic while holding it, which only bookkeeping does) is

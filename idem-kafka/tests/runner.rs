@@ -1001,6 +1001,15 @@ async fn a_partition_runs_its_batches_concurrently_keeps_each_key_in_order_and_c
     let before = keys.len();
     keys.dedup();
     assert_eq!(before, keys.len(), "each key ran once: {runs:?}");
+    // In order: each key ran for its first record (k0..k39 at offsets 0..39, "again" at 50),
+    // never for a later copy.
+    for (key, offset) in runs.iter() {
+        let first = match key.strip_prefix('k') {
+            Some(n) => n.parse::<i64>().unwrap(),
+            None => 50,
+        };
+        assert_eq!(*offset, first, "{key} ran for its first record: {runs:?}");
+    }
     assert_eq!(committed(&group, &topic, 1), ends);
 }
 
@@ -1204,6 +1213,107 @@ async fn a_batch_run_ahead_of_an_unresolved_record_is_not_committed_past_it() {
     resolved_at_least(&stats, 10, Duration::from_secs(30)).await;
     stop(running).await;
     assert_eq!((stats.executed(), stats.replayed()), (1, 9), "{stats:?}");
+    assert_eq!(committed(&group, &topic, 1), ends);
+}
+
+/// A record whose attempt failed is tried again after its own retry delay, however often the
+/// records before it in its batch are tried: here a busy key at the head of the batch is tried
+/// every few milliseconds for two seconds, and the failing record behind it (and its duplicate,
+/// which waits for the batch after) runs once per retry delay. Before, each try of the busy head
+/// ran the record behind it again, spending its attempts in milliseconds, and the duplicate in
+/// the same batch ran the next attempt right after the first failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_record_behind_a_busy_key_retries_at_its_own_pace() {
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("pace");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    let recs = vec![
+        Rec::keyed(0, "busy", "{}"),
+        Rec::keyed(0, "flaky", "{}"),
+        Rec::keyed(0, "flaky", "{}"),
+    ];
+    let ends = ends(&produce(&topic, &recs).await);
+    let store = shared(redis_store(&unique("idem-kafka-test")).await);
+    let namespace = idem_core::Namespace::new("pace").unwrap();
+    let held = match store
+        .acquire(
+            &idem_core::AcquireRequest::new(namespace.key("busy").unwrap(), "someone-else")
+                .with_lease_ttl(Duration::from_secs(60)),
+        )
+        .await
+        .unwrap()
+    {
+        idem_core::AcquireOutcome::Acquired { lease, .. } => lease,
+        other => panic!("{other:?}"),
+    };
+    let runs = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let r = Arc::clone(&runs);
+    let handler = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let r = Arc::clone(&r);
+        async move {
+            if msg.key() != Some(b"flaky".as_slice()) {
+                return Ok::<_, HandlerError>(());
+            }
+            let mut runs = r.lock().unwrap();
+            runs.push(Instant::now());
+            if runs.len() <= 2 {
+                return Err(HandlerError::retryable("downstream briefly down"));
+            }
+            Ok(())
+        }
+    };
+    const RETRY_DELAY: Duration = Duration::from_millis(1500);
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(
+            store.clone(),
+            ExecutorConfig::new("pace").with_retry_delay(RETRY_DELAY),
+        ),
+        handler,
+    )
+    .topic(&topic)
+    .options(
+        fast_options()
+            .with_max_batch(5)
+            .with_retry_delays(Duration::from_millis(5), Duration::from_secs(5)),
+    )
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    store.release(&held).await.unwrap();
+    resolved_at_least(&stats, 3, Duration::from_secs(30)).await;
+    stop(running).await;
+
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 3, "two failed attempts, then the success");
+    for pair in runs.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(
+            gap >= RETRY_DELAY,
+            "an attempt ran {gap:?} after the one that failed, under the retry delay: {stats:?}"
+        );
+    }
+    assert!(
+        stats.retries() >= 4,
+        "the busy key was tried again many times meanwhile: {stats:?}"
+    );
+    assert_eq!((stats.executed(), stats.replayed()), (2, 1), "{stats:?}");
+    let record = store
+        .get(&namespace.key("flaky").unwrap())
+        .await
+        .unwrap()
+        .expect("record");
+    assert!(
+        matches!(record.state, RecordState::Completed { .. }),
+        "{record:?}"
+    );
+    assert_eq!(record.attempts, 3, "{record:?}");
     assert_eq!(committed(&group, &topic, 1), ends);
 }
 
