@@ -13,10 +13,12 @@ pub const HEADER_SOURCE_STREAM: &str = "idem-dlq-source-stream";
 pub const HEADER_SOURCE_SUBJECT: &str = "idem-dlq-source-subject";
 /// Header with the message's sequence number in its stream (decimal).
 pub const HEADER_SOURCE_SEQUENCE: &str = "idem-dlq-source-sequence";
+/// Header with the durable consumer the runner read the message through.
+pub const HEADER_SOURCE_CONSUMER: &str = "idem-dlq-source-consumer";
 /// Header with the deliveries the server counted for the message, this one included.
 pub const HEADER_DELIVERED: &str = "idem-dlq-delivered";
 /// Header keeping the original `Nats-Msg-Id`, when the message had one: the dead letter carries
-/// its own (`<stream>:<sequence>`), so a dead letter published twice is stored once.
+/// its own ([`dead_letter_id`]), so a dead letter published twice is stored once.
 pub const HEADER_SOURCE_MSG_ID: &str = "idem-dlq-source-msg-id";
 /// What the name of any other original header starting with `Nats-` is prefixed with in the
 /// dead letter: the server acts on such headers when they are published (`Nats-Expected-Stream`
@@ -71,10 +73,21 @@ pub fn unescape(value: &str) -> String {
 /// (headers count towards it).
 pub const HEADER_DROPPED: &str = "idem-dlq-dropped-headers";
 
+/// The `Nats-Msg-Id` of the dead letter of `msg` read through `consumer`:
+/// `<stream>.<consumer>.<sequence>`. The same message dead-lettered twice by one consumer (a
+/// crash between the publication and the term) is stored once within the dead-letter stream's
+/// duplicate window, while two consumers of one stream that both dead-letter it each have theirs
+/// stored. Neither a stream's nor a consumer's name can hold a `.`, so no two of them give the
+/// same id.
+pub fn dead_letter_id(stream: &str, consumer: &str, sequence: u64) -> String {
+    format!("{stream}.{consumer}.{sequence}")
+}
+
 /// The original headers (when `originals`; else [`HEADER_DROPPED`] names them) with the
 /// dead-letter headers added (replacing any of the same name).
 pub(crate) fn headers(
     msg: &NatsMessage,
+    consumer: &str,
     info: &DeadLetterInfo,
     attempts: Option<u32>,
     key_id: Option<&str>,
@@ -104,7 +117,7 @@ pub(crate) fn headers(
         }
     }
     let attempts = attempts_value(attempts);
-    let ours: [(&str, Option<String>); 9] = [
+    let ours: [(&str, Option<String>); 10] = [
         (HEADER_REASON, Some(info.reason.as_str().to_owned())),
         (HEADER_ERROR, Some(escape(&header_text(&info.error)))),
         (HEADER_ATTEMPTS, Some(attempts)),
@@ -115,6 +128,7 @@ pub(crate) fn headers(
             HEADER_SOURCE_SEQUENCE,
             Some(msg.stream_sequence().to_string()),
         ),
+        (HEADER_SOURCE_CONSUMER, Some(consumer.to_owned())),
         (HEADER_DELIVERED, Some(msg.delivered().to_string())),
         (HEADER_SOURCE_MSG_ID, source_msg_id),
     ];
@@ -129,7 +143,7 @@ pub(crate) fn headers(
     }
     headers.insert(
         "Nats-Msg-Id",
-        format!("{}:{}", msg.stream(), msg.stream_sequence()),
+        dead_letter_id(msg.stream(), consumer, msg.stream_sequence()),
     );
     headers
 }
@@ -159,7 +173,7 @@ mod tests {
             error: "bad\nline".into(),
             attempts: Some(2),
         };
-        let h = headers(&msg, &info, Some(2), Some("k\r1"), true);
+        let h = headers(&msg, "billing", &info, Some(2), Some("k\r1"), true);
         let get = |n: &str| h.get(n).map(|v| v.as_str().to_owned());
         assert_eq!(get("trace").as_deref(), Some("abc"));
         assert_eq!(get(HEADER_REASON).as_deref(), Some("failed"));
@@ -171,7 +185,12 @@ mod tests {
             Some("orders.created")
         );
         assert_eq!(get(HEADER_SOURCE_MSG_ID).as_deref(), Some("producer-1"));
-        assert_eq!(get("Nats-Msg-Id").as_deref(), Some(":0"), "stream:sequence");
+        assert_eq!(get(HEADER_SOURCE_CONSUMER).as_deref(), Some("billing"));
+        assert_eq!(
+            get("Nats-Msg-Id").as_deref(),
+            Some(".billing.0"),
+            "stream.consumer.sequence"
+        );
     }
 
     #[test]
@@ -182,7 +201,7 @@ mod tests {
             error: "e".repeat(100_000),
             attempts: Some(0),
         };
-        let h = headers(&msg, &info, Some(0), Some(&"k".repeat(100_000)), true);
+        let h = headers(&msg, "c", &info, Some(0), Some(&"k".repeat(100_000)), true);
         for name in [HEADER_ERROR, HEADER_KEY] {
             let value = h.get(name).unwrap().as_str();
             assert!(

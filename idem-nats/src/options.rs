@@ -357,11 +357,59 @@ pub(crate) fn check_consumer(
     Ok(())
 }
 
+/// Checks an existing consumer's limits on pull requests against what the runner asks for:
+/// pulls of up to `max_in_flight` messages (the consumer's `max_batch`, 0 for no limit) that
+/// wait up to `pull_expiry` (its `max_expires`, zero for no limit). The server refuses every pull
+/// over either limit, so such a consumer would deliver nothing to the runner.
+pub(crate) fn check_pull_limits(
+    max_batch: i64,
+    max_expires: Duration,
+    max_in_flight: usize,
+    pull_expiry: Duration,
+) -> Result<(), RunnerError> {
+    if max_batch > 0 && usize::try_from(max_batch).is_ok_and(|max| max < max_in_flight) {
+        return Err(RunnerError::config(
+            "max_in_flight",
+            format!(
+                "the consumer takes pulls of at most {max_batch} messages (max_batch) and the                  runner pulls up to {max_in_flight} (max_in_flight): the server would refuse                  its pulls; lower max_in_flight or raise the consumer's max_batch"
+            ),
+        ));
+    }
+    if !max_expires.is_zero() && max_expires < pull_expiry {
+        return Err(RunnerError::config(
+            "pull_expiry",
+            format!(
+                "the consumer takes pulls that wait at most {max_expires:?} (max_expires) and                  the runner's wait {pull_expiry:?} (pull_expiry): the server would refuse its                  pulls; lower pull_expiry or raise the consumer's max_expires"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const HB: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn pulls_must_fit_the_consumer_limits() {
+        let second = Duration::from_secs(1);
+        let field = |r: Result<(), RunnerError>| match r {
+            Err(RunnerError::Config { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert!(check_pull_limits(0, Duration::ZERO, 16, second).is_ok());
+        assert!(check_pull_limits(16, second, 16, second).is_ok());
+        assert_eq!(
+            field(check_pull_limits(15, Duration::ZERO, 16, second)),
+            "max_in_flight"
+        );
+        assert_eq!(
+            field(check_pull_limits(0, Duration::from_millis(999), 16, second)),
+            "pull_expiry"
+        );
+    }
 
     #[test]
     fn delays_are_clamped() {

@@ -23,7 +23,7 @@ use tracing::Instrument;
 use crate::dead_letter::{self, DeadLetterReason};
 use crate::error::RunnerError;
 use crate::message::NatsMessage;
-use crate::options::{RunnerOptions, check_consumer};
+use crate::options::{RunnerOptions, check_consumer, check_pull_limits};
 use crate::stats::{RunnerStats, metric_names as m};
 
 /// Longest wait for the server's confirmation of a double ack (as `async-nats`'s JetStream
@@ -85,6 +85,8 @@ struct Common<H, C, R> {
     client: async_nats::Client,
     jetstream: async_nats::jetstream::Context,
     stream: String,
+    /// The durable consumer's name.
+    consumer: String,
     options: RunnerOptions,
     stats: Arc<RunnerStats>,
     /// The executor's heartbeat interval: the pace of progress acks.
@@ -140,14 +142,20 @@ where
     /// delivery, and running ones are signalled half-way through the orphan timeout, which
     /// drops them unless they return at once).
     ///
-    /// A pull request that fails is sent again with a bounded delay; the client
-    /// reconnects to the server by itself (acks sent while it is disconnected fail, and the
-    /// server redelivers those messages after their ack deadline: the store replays them).
+    /// A pull request that fails is sent again with a bounded delay, after getting the
+    /// consumer again (created again if it was deleted and creating it is allowed). The client
+    /// reconnects to the server by itself; an ack that does not reach the server meanwhile
+    /// leaves its message to be redelivered after its ack deadline, and the store replays it.
     ///
     /// # Errors
-    /// [`RunnerError::Nats`] when the stream or the consumer cannot be had, and
+    /// [`RunnerError::Nats`] when the stream or the consumer cannot be had (at the start, or
+    /// while running: the server says one of them does not exist at three checks in a row, the
+    /// consumer deleted with [`create_consumer`](RunnerOptions::create_consumer) off, say), and
     /// [`RunnerError::Config`] when the consumer on the server is not usable (not explicit acks,
-    /// `ack_wait` not above the heartbeat interval, `max_deliver` not above `max_attempts`).
+    /// `ack_wait` not above the heartbeat interval, `max_deliver` not above `max_attempts`, a
+    /// `max_batch` under [`max_in_flight`](RunnerOptions::max_in_flight) or a `max_expires`
+    /// under [`pull_expiry`](RunnerOptions::pull_expiry), which would make the server refuse the
+    /// runner's pulls).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RunnerError> {
         let stop = CancellationToken::new();
         let mut shutdown = std::pin::pin!(shutdown);
@@ -210,14 +218,58 @@ where
             common.heartbeat,
             common.max_attempts,
         )?;
+        check_pull_limits(
+            config.max_batch,
+            config.max_expires,
+            options.max_in_flight,
+            options.pull_expiry,
+        )?;
         let max_deliver = config.max_deliver;
         Ok((consumer, max_deliver))
+    }
+
+    /// After a failed pull: gets the consumer again, as [`consumer`](Self::consumer) does at the
+    /// start (so a consumer deleted meanwhile is created again when allowed, and one whose
+    /// settings changed is checked again). `Err` when the runner cannot go on: the consumer is
+    /// not usable, or the server said the stream or the consumer does not exist at
+    /// [`GONE_CHECKS`] checks in a row (once could be a server still recovering its streams);
+    /// any other failure (the server unreachable) leaves the consumer as it was, to pull again.
+    async fn recover(
+        &self,
+        consumer: &mut PullConsumer,
+        max_deliver: &mut i64,
+        gone: &mut u32,
+    ) -> Result<(), RunnerError> {
+        match self.consumer().await {
+            Ok((again, deliver)) => {
+                *gone = 0;
+                if again.cached_info().created != consumer.cached_info().created {
+                    tracing::warn!(consumer = %self.consumer, "the consumer was created again: it delivers the stream from its start, and the store replays what was done");
+                }
+                *consumer = again;
+                *max_deliver = deliver;
+                Ok(())
+            }
+            Err(e @ RunnerError::Config { .. }) => Err(e),
+            Err(e) if not_found(&e) => {
+                *gone += 1;
+                tracing::warn!(error = %e, checks = *gone, "the stream or the consumer is not on the server");
+                if *gone >= GONE_CHECKS { Err(e) } else { Ok(()) }
+            }
+            Err(e) => {
+                *gone = 0;
+                tracing::warn!(error = %e, "getting the consumer again failed");
+                Ok(())
+            }
+        }
     }
 
     async fn consume_until(&self, stop: CancellationToken) -> Result<(), RunnerError> {
         let common = &self.common;
         let options = &common.options;
-        let (consumer, max_deliver) = self.consumer().await?;
+        let (mut consumer, mut max_deliver) = self.consumer().await?;
+        // Checks in a row that found the stream or the consumer gone.
+        let mut gone = 0;
         tracing::info!(stream = %common.stream, consumer = %self.consumer, max_deliver, "nats runner consuming");
         let permits = Arc::new(Semaphore::new(options.max_in_flight));
         let lost = CancellationToken::new();
@@ -281,8 +333,16 @@ where
                     tokio::select! {
                         biased;
                         () = stop.cancelled() => break,
-                        () = tokio::time::sleep(options.reconnect_delay(failures)) => continue,
+                        () = tokio::time::sleep(options.reconnect_delay(failures)) => {}
                     }
+                    if let Err(e) = self
+                        .recover(&mut consumer, &mut max_deliver, &mut gone)
+                        .await
+                    {
+                        self.drain(tasks, &lost).await;
+                        return Err(e);
+                    }
+                    continue;
                 }
             };
             // Read the pull to its end (all its messages, or its expiry), even when stopping:
@@ -353,6 +413,13 @@ where
                     biased;
                     () = stop.cancelled() => break,
                     () = tokio::time::sleep(options.reconnect_delay(failures)) => {}
+                }
+                if let Err(e) = self
+                    .recover(&mut consumer, &mut max_deliver, &mut gone)
+                    .await
+                {
+                    self.drain(tasks, &lost).await;
+                    return Err(e);
                 }
             }
         }
@@ -451,12 +518,13 @@ where
             return Err(RunnerError::config("consumer", "is empty"));
         }
         Ok(NatsRunner {
-            consumer: self.consumer,
+            consumer: self.consumer.clone(),
             common: Arc::new(Common {
                 execution: Execution::new(self.executor, self.handler),
                 jetstream: async_nats::jetstream::new(self.client.clone()),
                 client: self.client,
                 stream: self.stream,
+                consumer: self.consumer,
                 options: self.options,
                 stats: Arc::new(RunnerStats::default()),
                 heartbeat,
@@ -469,6 +537,46 @@ where
 
 /// Whether a message delivered `delivered` times is on the consumer's last allowed delivery
 /// (`max_deliver`; 0 or less: unlimited), when a nak would make the server stop delivering it.
+/// How many checks in a row must find the stream or the consumer gone before the runner stops.
+const GONE_CHECKS: u32 = 3;
+
+/// Whether the server answered that the stream or the consumer does not exist.
+fn not_found(e: &RunnerError) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    use async_nats::jetstream::context::{
+        ConsumerInfoError, ConsumerInfoErrorKind, GetStreamError, GetStreamErrorKind,
+    };
+    use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+    let gone = |e: &async_nats::jetstream::Error| {
+        matches!(
+            e.error_code(),
+            ErrorCode::STREAM_NOT_FOUND | ErrorCode::CONSUMER_NOT_FOUND
+        )
+    };
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(e) = cause {
+        let found = if let Some(e) = e.downcast_ref::<GetStreamError>() {
+            matches!(e.kind(), GetStreamErrorKind::JetStream(j) if gone(&j))
+        } else if let Some(e) = e.downcast_ref::<ConsumerInfoError>() {
+            matches!(
+                e.kind(),
+                ConsumerInfoErrorKind::NotFound | ConsumerInfoErrorKind::StreamNotFound
+            ) || matches!(e.kind(), ConsumerInfoErrorKind::JetStream(j) if gone(&j))
+        } else if let Some(e) = e.downcast_ref::<ConsumerError>() {
+            matches!(e.kind(), ConsumerErrorKind::JetStream(j) if gone(&j))
+        } else if let Some(e) = e.downcast_ref::<async_nats::jetstream::Error>() {
+            gone(e)
+        } else {
+            false
+        };
+        if found {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
 fn is_last_delivery(delivered: i64, max_deliver: i64) -> bool {
     max_deliver > 0 && delivered >= max_deliver
 }
@@ -602,7 +710,8 @@ struct Settle<'a, H, C, R> {
     max_deliver: i64,
     /// The message's span.
     span: tracing::Span,
-    /// Whether it is settled (no more progress acks).
+    /// Whether it is settled (no more progress acks): set as its final ack, nak or term is
+    /// sent.
     settled: AtomicBool,
     /// The message's slot (none for a message taken on its last delivery without one), given
     /// back as its final ack, nak or term is sent: the next pull need not wait for the server's
@@ -682,6 +791,9 @@ where
 
     /// Sends an ack of `kind`; `confirmed`: waits for the server's confirmation (double ack).
     async fn send(&self, kind: AckKind, confirmed: bool) {
+        // No progress ack after the final one (it would restart the ack deadline of a nak'ed
+        // message, putting off its redelivery).
+        self.settled.store(true, Ordering::Relaxed);
         self.free_slot();
         let sent = if confirmed {
             self.confirmed(kind).await
@@ -735,7 +847,14 @@ where
                 .dead_letter_attempts(info, key_id.as_deref())
                 .await
         };
-        let mut headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), true);
+        let mut headers = dead_letter::headers(
+            msg,
+            &common.consumer,
+            info,
+            attempts,
+            key_id.as_deref(),
+            true,
+        );
         let mut originals_kept = msg.headers().is_some_and(|h| !h.is_empty());
         let subject = common
             .options
@@ -769,7 +888,14 @@ where
                 }
                 Ok(Err(e)) if originals_kept && too_large(&e) => {
                     tracing::warn!(error = %e, "the dead letter is over the server's or the stream's size limit with the original headers: publishing it with the runner's only, naming the others");
-                    headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), false);
+                    headers = dead_letter::headers(
+                        msg,
+                        &common.consumer,
+                        info,
+                        attempts,
+                        key_id.as_deref(),
+                        false,
+                    );
                     originals_kept = false;
                     continue;
                 }

@@ -3,7 +3,7 @@
 /// Names of the `metrics` counters the runner increments (through whatever recorder the
 /// application installed), next to the executor's own `idem_*` counters.
 pub mod metric_names {
-    /// Messages whose handler ran to completion (acknowledged).
+    /// Messages whose handler ran to completion, counted as their ack is sent.
     pub const EXECUTED: &str = "idem_nats_executed";
     /// Duplicates answered from the store (acknowledged).
     pub const REPLAYED: &str = "idem_nats_replayed";

@@ -444,7 +444,7 @@ async fn two_processes_one_killed_give_exactly_one_effect_per_key() {
     // conflicting messages, more when the kill sent an original back behind its conflict (the
     // conflicting payload then took effect, and the original and its later duplicates conflict).
     // A dead letter published twice (a SIGKILL between the publication and the term) is stored
-    // once: it carries `Nats-Msg-Id: <stream>:<sequence>`.
+    // once: it carries `Nats-Msg-Id: <stream>.<consumer>.<sequence>`.
     let conflicting = planned
         .iter()
         .filter(|p| effect_payload[&p.key] != p.payload)

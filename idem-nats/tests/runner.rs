@@ -197,13 +197,14 @@ async fn server_headers_are_renamed_in_the_dead_letter() {
     delete_streams(&js, &name).await;
 }
 
-/// Runs a runner whose handler refuses every message terminally until one dead letter is
-/// published (20 s at most), checks that no publication failed on the way, and returns the
-/// dead-letter stream's messages.
+/// Runs a runner on durable consumer `consumer` whose handler refuses every message terminally
+/// until one dead letter is published (20 s at most), checks that no publication failed on the
+/// way, and returns the dead-letter stream's messages.
 async fn dead_letter_the_one_message(
     client: async_nats::Client,
     js: &async_nats::jetstream::Context,
     name: &str,
+    consumer: &str,
 ) -> Vec<Read> {
     let store = shared(redis_store(&format!("{}:", unique("idem-nats-refused"))).await);
     let handler = |_msg: NatsMessage, _ctx: HandlerContext| async {
@@ -212,7 +213,7 @@ async fn dead_letter_the_one_message(
     let runner = NatsRunner::builder(
         client,
         name,
-        "workers",
+        consumer,
         executor(store, ExecutorConfig::new("nats-refused")),
         handler,
     )
@@ -233,6 +234,165 @@ async fn dead_letter_the_one_message(
     read_stream(js, &format!("{name}_dlq")).await
 }
 
+/// Two durable consumers of one stream (two services, each with its own records) that both
+/// dead-letter the same message each have their dead letter stored, naming its consumer. With
+/// the dead letter's `Nats-Msg-Id` made of the stream and the sequence alone, the server took
+/// the second for a duplicate of the first and dropped it, and its runner terminated the message
+/// as if it were published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_dead_lettering_one_message_each_store_theirs() {
+    let Some((client, js, name)) = streams_for("runner_two_consumers_dead_letter").await else {
+        return;
+    };
+    publish(&js, &name, &[Msg::keyed("order-1", "{}")]).await;
+    let first = dead_letter_the_one_message(client.clone(), &js, &name, "billing").await;
+    assert_eq!(first.len(), 1);
+    let both = dead_letter_the_one_message(client, &js, &name, "shipping").await;
+    let consumers: Vec<Option<String>> = both
+        .iter()
+        .map(|d| d.header(idem_nats::HEADER_SOURCE_CONSUMER))
+        .collect();
+    assert_eq!(
+        consumers,
+        [Some("billing".to_owned()), Some("shipping".to_owned())],
+        "one dead letter per consumer"
+    );
+    assert_eq!(
+        both[1].header("Nats-Msg-Id"),
+        Some(idem_nats::dead_letter_id(&name, "shipping", 1))
+    );
+    assert_eq!(consumer_state(&js, &name, "billing").await, (0, 0));
+    assert_eq!(consumer_state(&js, &name, "shipping").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
+/// A runner on `name`'s durable consumer "workers" whose handler does nothing, with `options`.
+fn plain_runner(
+    client: async_nats::Client,
+    name: &str,
+    store: idem_core::DynStore,
+    options: RunnerOptions,
+) -> NatsRunner<impl idem_nats::Handler<NatsMessage, ()> + use<>, ()> {
+    let handler = |_msg: NatsMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
+    NatsRunner::builder(
+        client,
+        name,
+        "workers",
+        executor(store, ExecutorConfig::new("nats-consumer-gone")),
+        handler,
+    )
+    .options(options)
+    .build()
+    .expect("runner")
+}
+
+/// An existing consumer whose limits the runner's pulls would exceed (the server refuses every
+/// pull over `max_batch` or `max_expires`) is refused at the start with a typed error, naming
+/// the option; before, the runner pulled in vain forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_refusing_the_runners_pulls_is_a_config_error() {
+    let Some((client, js, name)) = streams_for("runner_pull_limits").await else {
+        return;
+    };
+    let stream = js.get_stream(&name).await.expect("stream");
+    stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("workers".into()),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            max_batch: 4,
+            max_expires: Duration::from_millis(500),
+            ..Default::default()
+        })
+        .await
+        .expect("consumer");
+    let store = shared(redis_store(&format!("{}:", unique("idem-nats-limits"))).await);
+    for (options, field) in [
+        (options(), "max_in_flight"),
+        (options().with_max_in_flight(4), "pull_expiry"),
+    ] {
+        let runner = plain_runner(client.clone(), &name, store.clone(), options);
+        let run = tokio::time::timeout(Duration::from_secs(10), runner.run(std::future::pending()));
+        match run.await.expect("returns at once") {
+            Err(idem_nats::RunnerError::Config { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("{other:?}"),
+        }
+    }
+    let runner = plain_runner(
+        client,
+        &name,
+        store,
+        options()
+            .with_max_in_flight(4)
+            .with_pull_expiry(Duration::from_millis(500)),
+    );
+    let stats = runner.stats();
+    publish(&js, &name, &[Msg::keyed("k1", "{}")]).await;
+    run_until_executed(&stats, 1, |stop| runner.run(stop)).await;
+    delete_streams(&js, &name).await;
+}
+
+/// The consumer deleted while the runner runs: the runner creates it again (it is allowed to:
+/// the default) and goes on, the new consumer delivering the stream from its start and the store
+/// replaying what was done; not allowed to create it, the runner stops with an error. Before,
+/// it pulled in vain forever, with neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_deleted_while_running_is_created_again_or_stops_the_runner() {
+    let Some((client, js, name)) = streams_for("runner_consumer_deleted").await else {
+        return;
+    };
+    let first: Vec<Msg> = (0..5).map(|i| Msg::keyed(&format!("a{i}"), "{}")).collect();
+    publish(&js, &name, &first).await;
+    let store = shared(redis_store(&format!("{}:", unique("idem-nats-deleted"))).await);
+    let runner = plain_runner(client.clone(), &name, store.clone(), options());
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let s = Arc::clone(&stats);
+    assert!(
+        wait_for(Duration::from_secs(20), || {
+            let s = Arc::clone(&s);
+            async move { s.executed() == 5 }
+        })
+        .await,
+        "{stats:?}"
+    );
+    let stream = js.get_stream(&name).await.expect("stream");
+    stream.delete_consumer("workers").await.expect("deleted");
+    let then: Vec<Msg> = (0..5).map(|i| Msg::keyed(&format!("b{i}"), "{}")).collect();
+    publish(&js, &name, &then).await;
+    let watched = Arc::clone(&stats);
+    let done = run_until(task, stop, Duration::from_secs(30), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.executed() == 10 && s.replayed() == 5 })
+    })
+    .await;
+    assert!(done, "created again, it went on: {stats:?}");
+
+    // Not allowed to create it: the runner stops, with the server's answer.
+    let runner = plain_runner(client, &name, store, options().with_create_consumer(false));
+    let task = tokio::spawn(runner.run(std::future::pending()));
+    let stream = js.get_stream(&name).await.expect("stream");
+    wait_for(Duration::from_secs(10), || {
+        let stream = stream.clone();
+        async move {
+            let mut c: async_nats::jetstream::consumer::PullConsumer =
+                stream.get_consumer("workers").await.expect("consumer");
+            c.info().await.is_ok_and(|i| i.num_waiting > 0)
+        }
+    })
+    .await;
+    stream.delete_consumer("workers").await.expect("deleted");
+    let ended = tokio::time::timeout(Duration::from_secs(60), task)
+        .await
+        .expect("the runner stops")
+        .unwrap();
+    assert!(
+        matches!(ended, Err(idem_nats::RunnerError::Nats { .. })),
+        "{ended:?}"
+    );
+    delete_streams(&js, &name).await;
+}
+
 /// A message near the server's payload limit (1 MiB here; headers count towards it) is
 /// dead-lettered: over the limit with its original headers plus the runner's, it is published
 /// with the runner's only, naming the others. Before, the publication failed every second,
@@ -248,7 +408,7 @@ async fn a_dead_letter_over_the_payload_limit_goes_without_the_original_headers(
     msg.headers.push(("blob".into(), "y".repeat(8_350)));
     publish(&js, &name, &[msg]).await;
 
-    let dead = dead_letter_the_one_message(client, &js, &name).await;
+    let dead = dead_letter_the_one_message(client, &js, &name, "workers").await;
     assert_eq!(dead.len(), 1);
     let d = &dead[0];
     assert_eq!(d.body.len(), body.len(), "the payload whole");
@@ -287,7 +447,7 @@ async fn a_dead_letter_over_the_stream_size_limit_goes_without_the_original_head
     msg.headers.push(("blob".into(), "y".repeat(5_000)));
     publish(&js, &name, &[msg]).await;
 
-    let dead = dead_letter_the_one_message(client, &js, &name).await;
+    let dead = dead_letter_the_one_message(client, &js, &name, "workers").await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].body.len(), 15_000);
     assert_eq!(
