@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
 use crate::error::RunnerError;
 use crate::message::AmqpMessage;
@@ -22,6 +22,10 @@ pub(crate) enum PublishError {
     Nacked,
     #[error("not confirmed within {0:?}")]
     TimedOut(Duration),
+    /// Not sent: the session is over (its publisher closed), and its deliveries can no longer
+    /// be acknowledged.
+    #[error("not sent: the session's publisher is closed")]
+    Closed,
     /// Not sent: the broker would close the connection over it (`FRAME_ERROR`).
     #[error(
         "not sent: its properties and headers take {size} bytes, more than the connection's frame size allows ({max})"
@@ -56,38 +60,103 @@ fn content_header_size(properties: &BasicProperties) -> Option<usize> {
     Some(CONTENT_HEADER_FIXED + written.write.len())
 }
 
-/// Publishes on its own confirm-mode channel of the session's connection, opened again when a
-/// refused publication closed it.
+/// Publishes on a confirm-mode channel of a connection of its own (not the consuming one),
+/// both opened when first needed and again once closed (a refused publication closes its
+/// channel; a broker restart, the connection).
+///
+/// **A connection of its own.** When a memory or disk alarm is on, RabbitMQ blocks every
+/// connection that publishes, and then reads nothing more from it, acknowledgements included (and
+/// the client writes nothing to a connection the broker blocked). Were the retries and dead
+/// letters published on the consuming connection, one publication during an alarm would stop
+/// every acknowledgement of the runner: the prefetch would fill, and the backlog that raised the
+/// alarm would never drain. On their own connection only they wait (and time out, the delivery
+/// given back), while the consuming connection goes on acknowledging.
+///
+/// **One publication at a time.** The client does not tell which publication a `basic.return`
+/// (unroutable) belongs to: it hands the oldest return to whichever confirmation completes next,
+/// and the broker confirms several publications at once (`multiple`). With two publications in
+/// flight, a routed one could be reported returned and an unroutable one confirmed, and the
+/// original message then acknowledged with no queue holding its copy. So a publication holds the
+/// channel from its send to its confirmation; one that times out leaves the channel (whose late
+/// confirmation or return would be handed to the next) and the next opens another.
 pub(crate) struct Publisher {
-    connection: Arc<Connection>,
-    channel: tokio::sync::Mutex<Option<Channel>>,
+    uri: String,
+    properties: ConnectionProperties,
+    link: tokio::sync::Mutex<Link>,
     timeout: Duration,
 }
 
+/// The publisher's connection and channel, when open.
+#[derive(Default)]
+struct Link {
+    connection: Option<Arc<Connection>>,
+    channel: Option<Channel>,
+    /// Closed for good ([`Publisher::close`]): nothing is opened again.
+    closed: bool,
+}
+
+impl Link {
+    /// The open connection, or a new one.
+    async fn connection(
+        &mut self,
+        uri: &str,
+        properties: &ConnectionProperties,
+    ) -> Result<Arc<Connection>, lapin::Error> {
+        if let Some(connection) = self.connection.as_ref().filter(|c| c.status().connected()) {
+            return Ok(Arc::clone(connection));
+        }
+        self.channel = None;
+        if let Some(old) = self.connection.take() {
+            close_in_background(async move { old.close(200, "reconnecting".into()).await });
+        }
+        let connection = Arc::new(Connection::connect(uri, properties.clone()).await?);
+        self.connection = Some(Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    /// The open confirm-mode channel, or a new one, with its connection.
+    async fn channel(
+        &mut self,
+        uri: &str,
+        properties: &ConnectionProperties,
+    ) -> Result<(Channel, Arc<Connection>), lapin::Error> {
+        let connection = self.connection(uri, properties).await?;
+        if let Some(channel) = self.channel.as_ref().filter(|c| c.status().connected()) {
+            return Ok((channel.clone(), connection));
+        }
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        self.channel = Some(channel.clone());
+        Ok((channel, connection))
+    }
+}
+
+/// Runs `closing` (a channel's or a connection's close) in the background, for at most 5 s.
+fn close_in_background<F>(closing: F)
+where
+    F: std::future::Future<Output = Result<(), lapin::Error>> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(Duration::from_secs(5), closing).await;
+    });
+}
+
 impl Publisher {
-    pub(crate) fn new(connection: Arc<Connection>, timeout: Duration) -> Self {
+    /// A publisher that connects to `uri` with `properties` when it first publishes.
+    pub(crate) fn new(uri: &str, properties: ConnectionProperties, timeout: Duration) -> Self {
         Self {
-            connection,
-            channel: tokio::sync::Mutex::new(None),
+            uri: uri.to_owned(),
+            properties,
+            link: tokio::sync::Mutex::new(Link::default()),
             timeout,
         }
     }
 
-    async fn channel(&self) -> Result<Channel, lapin::Error> {
-        let mut guard = self.channel.lock().await;
-        if let Some(channel) = guard.as_ref().filter(|c| c.status().connected()) {
-            return Ok(channel.clone());
-        }
-        let channel = self.connection.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
-        *guard = Some(channel.clone());
-        Ok(channel)
-    }
-
     /// Publishes `body` (mandatory) and waits for the broker's confirmation: `Ok` once the
-    /// message is routed to a queue and confirmed.
+    /// message is routed to a queue and confirmed. Waits for the publication before it (see
+    /// [`Publisher`]); the timeout counts from the call.
     pub(crate) async fn publish(
         &self,
         exchange: &str,
@@ -95,17 +164,28 @@ impl Publisher {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let timed_out = || PublishError::TimedOut(self.timeout);
+        let mut link = tokio::time::timeout_at(deadline, self.link.lock())
+            .await
+            .map_err(|_| timed_out())?;
+        if link.closed {
+            return Err(PublishError::Closed);
+        }
+        let (channel, connection) =
+            tokio::time::timeout_at(deadline, link.channel(&self.uri, &self.properties))
+                .await
+                .map_err(|_| timed_out())??;
         // A content header frame must fit in one frame: the broker answers a larger one by
-        // closing the connection, which would cancel every delivery in flight on it.
+        // closing the connection.
         let frame_max =
-            usize::try_from(self.connection.configuration().frame_max()).unwrap_or(usize::MAX);
+            usize::try_from(connection.configuration().frame_max()).unwrap_or(usize::MAX);
         let max = frame_max.saturating_sub(FRAME_OVERHEAD);
         if let Some(size) = content_header_size(&properties).filter(|&size| size > max) {
             return Err(PublishError::TooLarge { size, max });
         }
-        let publish = async {
-            let channel = self.channel().await?;
-            let confirm = channel
+        let confirmed = tokio::time::timeout_at(deadline, async {
+            channel
                 .basic_publish(
                     ShortString::from(exchange),
                     ShortString::from(routing_key),
@@ -117,45 +197,97 @@ impl Publisher {
                     properties,
                 )
                 .await?
-                .await?;
-            match confirm {
-                Confirmation::Ack(None) => Ok(()),
-                Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
-                    Err(PublishError::Returned {
-                        code: returned.reply_code,
-                        text: returned.reply_text.to_string(),
-                    })
+                .await
+        })
+        .await;
+        let confirm = match confirmed {
+            Ok(confirm) => confirm?,
+            Err(_) => {
+                // Its confirmation or return may still come, and would be taken for the next
+                // publication's: the next one gets a channel of its own.
+                if let Some(left) = link.channel.take() {
+                    close_in_background(async move {
+                        left.close(200, "publication not confirmed in time".into())
+                            .await
+                    });
                 }
-                Confirmation::Nack(None) => Err(PublishError::Nacked),
-                // The channel is in confirm mode: a publication is always confirmed.
-                Confirmation::NotRequested => Err(PublishError::Nacked),
+                return Err(timed_out());
             }
         };
-        match tokio::time::timeout(self.timeout, publish).await {
-            Ok(result) => result,
-            Err(_) => Err(PublishError::TimedOut(self.timeout)),
+        drop(link);
+        match confirm {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
+                Err(PublishError::Returned {
+                    code: returned.reply_code,
+                    text: returned.reply_text.to_string(),
+                })
+            }
+            Confirmation::Nack(None) => Err(PublishError::Nacked),
+            // The channel is in confirm mode: a publication is always confirmed.
+            Confirmation::NotRequested => Err(PublishError::Nacked),
         }
     }
 
     /// Declares `topology` again on a channel of its own (a refused declaration closes it), for
     /// a publication refused because an exchange or a queue of it is gone.
     pub(crate) async fn redeclare(&self, topology: &QueueTopology) -> Result<(), RunnerError> {
-        let channel =
-            self.connection.create_channel().await.map_err(|e| {
-                RunnerError::amqp("opening a channel to declare the topology again", e)
-            })?;
-        let declared = topology.declare_on(&channel).await;
-        let _ = channel.close(200, "declared".into()).await;
-        declared
+        let context = "opening a channel to declare the topology again";
+        let connection = {
+            let mut link = tokio::time::timeout(self.timeout, self.link.lock())
+                .await
+                .map_err(|_| RunnerError::amqp(context, timed_out_error(self.timeout)))?;
+            if link.closed {
+                return Err(RunnerError::amqp(
+                    context,
+                    lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(
+                        lapin::ConnectionState::Closed,
+                    )),
+                ));
+            }
+            tokio::time::timeout(self.timeout, link.connection(&self.uri, &self.properties))
+                .await
+                .map_err(|_| RunnerError::amqp(context, timed_out_error(self.timeout)))?
+                .map_err(|e| RunnerError::amqp(context, e))?
+        };
+        let channel = tokio::time::timeout(self.timeout, connection.create_channel())
+            .await
+            .map_err(|_| RunnerError::amqp(context, timed_out_error(self.timeout)))?
+            .map_err(|e| RunnerError::amqp(context, e))?;
+        let declared = tokio::time::timeout(self.timeout, topology.declare_on(&channel)).await;
+        close_in_background(async move { channel.close(200, "declared".into()).await });
+        declared.unwrap_or_else(|_| {
+            Err(RunnerError::amqp(
+                "declaring the topology again",
+                timed_out_error(self.timeout),
+            ))
+        })
     }
 
-    /// Closes the channel (best effort).
+    /// Closes the channel and the connection (best effort), for good: a later publication is
+    /// [`PublishError::Closed`].
     pub(crate) async fn close(&self) {
-        if let Some(channel) = self.channel.lock().await.take() {
+        let mut link = self.link.lock().await;
+        link.closed = true;
+        if let Some(channel) = link.channel.take() {
             let _ = tokio::time::timeout(Duration::from_secs(5), channel.close(200, "bye".into()))
                 .await;
         }
+        if let Some(connection) = link.connection.take() {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye".into()))
+                    .await;
+        }
     }
+}
+
+/// The error a step of the publisher's that took longer than `timeout` reports.
+fn timed_out_error(timeout: Duration) -> lapin::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no answer within {timeout:?}"),
+    )
+    .into()
 }
 
 /// The headers by which RabbitMQ routes a message to more queues (sender-selected distribution).

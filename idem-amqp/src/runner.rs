@@ -28,6 +28,12 @@ use crate::publish::{PublishError, Publisher, republished};
 use crate::stats::{RunnerStats, metric_names as m};
 use crate::topology::{QueueTopology, name};
 
+/// The longest a delivery whose retry publication failed is held before it is given back
+/// (`basic.nack` with requeue): a delivery unacknowledged past the broker's `consumer_timeout`
+/// (30 minutes by default) makes the broker close the channel, and every delivery on it is lost
+/// to the runner. So a longer retry delay is cut to this on that path.
+pub(crate) const REQUEUE_HOLD_MAX: Duration = Duration::from_secs(60);
+
 /// Pause between two tries of a dead-letter publication that failed.
 const DEAD_LETTER_RETRY: Duration = Duration::from_secs(1);
 /// Longest wait for a channel or connection to close, or the consumer to be cancelled.
@@ -240,7 +246,8 @@ where
                 RunnerError::amqp(format!("consuming from {}", common.topology.queue), e)
             })?;
         let publisher = Arc::new(Publisher::new(
-            Arc::clone(&connection),
+            &self.uri,
+            self.properties.clone(),
             common.options.publish_timeout,
         ));
         Ok(Session {
@@ -314,7 +321,11 @@ where
                 session.lost.cancel();
                 tasks.detach_all();
                 let connection = Arc::clone(&session.connection);
+                let publisher = Arc::clone(&session.publisher);
                 tokio::spawn(async move {
+                    // Its publications end with the session's deliveries, which can no longer
+                    // be acknowledged.
+                    publisher.close().await;
                     let _ = tokio::time::timeout(
                         CLOSE_TIMEOUT,
                         connection.close(200, "channel lost".into()),
@@ -630,7 +641,8 @@ where
 
     /// Publishes a copy to the retry queue, expiring after `delay` (then the broker moves it back
     /// to the work queue), and acknowledges the delivery. When the publication fails, waits
-    /// `delay` and gives the delivery back with `basic.nack` (requeue).
+    /// `delay` (at most [`REQUEUE_HOLD_MAX`]) and gives the delivery back with `basic.nack`
+    /// (requeue).
     async fn retry(&self, msg: &AmqpMessage, delay: Duration, outcome: &str) {
         let common = self.common;
         let expiration = ShortString::from(delay.as_millis().to_string());
@@ -652,7 +664,7 @@ where
                 tokio::select! {
                     biased;
                     () = self.lost.cancelled() => return self.abandoned(outcome),
-                    () = tokio::time::sleep(delay) => {}
+                    () = tokio::time::sleep(delay.min(REQUEUE_HOLD_MAX)) => {}
                 }
                 let nack = self.acker.nack(BasicNackOptions {
                     requeue: true,

@@ -1,5 +1,6 @@
 //! The broker killed (SIGKILL) and restarted mid-run: the runner reconnects and every key still
-//! gets exactly one effect. Runs a PRIVATE RabbitMQ node on its own ports and data directory
+//! gets exactly one effect; a memory alarm blocking publications does not stop the runner's
+//! acknowledgements. Each test runs a PRIVATE RabbitMQ node on its own ports and data directory
 //! (`rabbitmq-server` must be installed: `scripts/services.sh rabbitmq`), never the shared one.
 
 mod common;
@@ -121,6 +122,91 @@ async fn runner_recovers_from_a_broker_restart() {
     eprintln!(
         "broker restart: node up in {started_in:?}; killed with {at_kill}/{KEYS} effects, back in \
          {restarted_in:?}, all effects and the queue empty {recovered_in:?} after the kill; {stats:?}"
+    );
+}
+
+/// A memory alarm on the broker blocks every connection that publishes, and the broker then
+/// reads nothing more from it. The runner's retries and dead letters go out on a connection of
+/// their own, so a retry publication during the alarm (which cannot complete: it times out and
+/// the delivery is given back with `basic.nack`) leaves the consuming connection acknowledging:
+/// every message is done while the alarm is on. Before, the retry publication went out on the
+/// consuming connection, the broker blocked it, and no acknowledgement got through any more: the
+/// prefetch filled and nothing was consumed until the alarm cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_alarm_blocking_publications_does_not_stop_acknowledgements() {
+    if !amqp_and_redis() || !rabbitmq_program() {
+        return;
+    }
+    init_tracing();
+    const MESSAGES: usize = 40;
+    let node = PrivateNode::start().await;
+    let url = node.url();
+    let topology = topology("alarm", QueueType::Classic);
+    declare(&url, &topology).await;
+    let msgs: Vec<Msg> = (0..MESSAGES)
+        .map(|i| Msg::keyed(&format!("k{i}"), "{}"))
+        .collect();
+    publish(&url, &topology.queue, &msgs).await;
+    // Every publication is blocked from now on.
+    node.ctl(&["set_vm_memory_high_watermark", "0.0000001"]);
+
+    let store = shared(redis_store(&format!("{}:", unique("idem-amqp-alarm"))).await);
+    let tried = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let handler = move |_msg: AmqpMessage, ctx: HandlerContext| {
+        let tried = std::sync::Arc::clone(&tried);
+        async move {
+            // The first message's first attempt fails: its retry is a publication.
+            if ctx.key().unwrap().id() == "k0"
+                && !tried.swap(true, std::sync::atomic::Ordering::SeqCst)
+            {
+                return Err(HandlerError::retryable("not yet"));
+            }
+            Ok::<_, HandlerError>(())
+        }
+    };
+    let config = ExecutorConfig::new("alarm").with_retry_delay(Duration::from_millis(100));
+    let runner = AmqpRunner::builder(&url, topology.clone(), executor(store, config), handler)
+        .options(
+            RunnerOptions::default()
+                .with_prefetch(4)
+                .with_max_batch(2)
+                .with_publish_timeout(Duration::from_secs(2))
+                .with_retry_delays(Duration::from_millis(50), Duration::from_secs(1)),
+        )
+        .build()
+        .unwrap();
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let watched = std::sync::Arc::clone(&stats);
+    let done = wait_for(Duration::from_secs(60), || {
+        let s = std::sync::Arc::clone(&watched);
+        async move { s.executed() == MESSAGES as u64 }
+    })
+    .await;
+    assert!(done, "every message done during the alarm: {stats:?}");
+    assert_eq!(
+        queue_state(&url, &topology.queue).await.0,
+        0,
+        "and nothing left in the queue: {stats:?}"
+    );
+    // Stopped with the alarm still on: the retry copy that timed out stays unsent (cleared, the
+    // alarm would let it land late, as a timed-out publication may), and the node goes with the
+    // test.
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("drained in time")
+        .unwrap()
+        .expect("run");
+    assert!(
+        stats.requeued() >= 1,
+        "the retry publication could not complete: the delivery was given back: {stats:?}"
+    );
+    assert_eq!(
+        queue_state(&url, &topology.queue).await,
+        (0, 0),
+        "nothing left unacknowledged"
     );
 }
 

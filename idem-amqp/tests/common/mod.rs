@@ -459,6 +459,26 @@ impl PrivateNode {
         }
     }
 
+    /// Runs `rabbitmqctl` with `args` against the node (its own name and Erlang cookie) and
+    /// panics unless it succeeds.
+    pub fn ctl(&self, args: &[&str]) {
+        let ctl = ["/usr/lib/rabbitmq/bin/rabbitmqctl", "rabbitmqctl"]
+            .into_iter()
+            .find(|p| !p.starts_with('/') || std::path::Path::new(p).exists())
+            .unwrap();
+        let out = Command::new(ctl)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .args(args)
+            .output()
+            .expect("run rabbitmqctl");
+        assert!(
+            out.status.success(),
+            "rabbitmqctl {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Starts the node again on the same ports and data.
     pub async fn restart(&mut self) {
         self.kill();
