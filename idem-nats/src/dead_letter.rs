@@ -83,16 +83,48 @@ pub fn dead_letter_id(stream: &str, consumer: &str, sequence: u64) -> String {
     format!("{stream}.{consumer}.{sequence}")
 }
 
-/// The original headers (when `originals`; else [`HEADER_DROPPED`] names them) with the
-/// dead-letter headers added (replacing any of the same name).
+/// How much of its headers a dead letter carries: less each time the server finds it over its
+/// payload limit or the dead-letter stream's `max_msg_size` (headers count towards both).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fit {
+    /// The original headers and the runner's.
+    Whole,
+    /// The runner's only ([`HEADER_DROPPED`] names the others).
+    WithoutOriginals,
+    /// The runner's only, the error and the key cut to [`COMPACT_TEXT`] bytes.
+    Compact,
+}
+
+impl Fit {
+    /// The next smaller fit, if any.
+    pub(crate) fn smaller(self) -> Option<Self> {
+        match self {
+            Self::Whole => Some(Self::WithoutOriginals),
+            Self::WithoutOriginals => Some(Self::Compact),
+            Self::Compact => None,
+        }
+    }
+}
+
+/// How long the error and the key headers of a dead letter are at most when, with their usual
+/// length (4,096 bytes each), it was still over the size limit.
+pub const COMPACT_TEXT: usize = 256;
+
+/// The original headers (when `fit` is [`Fit::Whole`]; else [`HEADER_DROPPED`] names them) with
+/// the dead-letter headers added (replacing any of the same name).
 pub(crate) fn headers(
     msg: &NatsMessage,
     consumer: &str,
     info: &DeadLetterInfo,
     attempts: Option<u32>,
     key_id: Option<&str>,
-    originals: bool,
+    fit: Fit,
 ) -> HeaderMap {
+    let originals = fit == Fit::Whole;
+    let cut = |text: &str| match fit {
+        Fit::Compact => escape(&idem_core::fit_text(text, COMPACT_TEXT)),
+        _ => escape(&header_text(text)),
+    };
     let mut headers = HeaderMap::new();
     let mut source_msg_id = None;
     let mut dropped = Vec::new();
@@ -119,9 +151,9 @@ pub(crate) fn headers(
     let attempts = attempts_value(attempts);
     let ours: [(&str, Option<String>); 10] = [
         (HEADER_REASON, Some(info.reason.as_str().to_owned())),
-        (HEADER_ERROR, Some(escape(&header_text(&info.error)))),
+        (HEADER_ERROR, Some(cut(&info.error))),
         (HEADER_ATTEMPTS, Some(attempts)),
-        (HEADER_KEY, key_id.map(|k| escape(&header_text(k)))),
+        (HEADER_KEY, key_id.map(cut)),
         (HEADER_SOURCE_STREAM, Some(msg.stream().to_owned())),
         (HEADER_SOURCE_SUBJECT, Some(msg.subject().to_owned())),
         (
@@ -173,7 +205,7 @@ mod tests {
             error: "bad\nline".into(),
             attempts: Some(2),
         };
-        let h = headers(&msg, "billing", &info, Some(2), Some("k\r1"), true);
+        let h = headers(&msg, "billing", &info, Some(2), Some("k\r1"), Fit::Whole);
         let get = |n: &str| h.get(n).map(|v| v.as_str().to_owned());
         assert_eq!(get("trace").as_deref(), Some("abc"));
         assert_eq!(get(HEADER_REASON).as_deref(), Some("failed"));
@@ -201,11 +233,32 @@ mod tests {
             error: "e".repeat(100_000),
             attempts: Some(0),
         };
-        let h = headers(&msg, "c", &info, Some(0), Some(&"k".repeat(100_000)), true);
+        let h = headers(
+            &msg,
+            "c",
+            &info,
+            Some(0),
+            Some(&"k".repeat(100_000)),
+            Fit::Whole,
+        );
+        let compact = headers(
+            &msg,
+            "c",
+            &info,
+            Some(0),
+            Some(&"k".repeat(100_000)),
+            Fit::Compact,
+        );
         for name in [HEADER_ERROR, HEADER_KEY] {
             let value = h.get(name).unwrap().as_str();
             assert!(
                 value.len() <= idem_executor::broker::MAX_HEADER_TEXT && value.ends_with('…'),
+                "{name}: {} bytes",
+                value.len()
+            );
+            let value = compact.get(name).unwrap().as_str();
+            assert!(
+                value.len() <= COMPACT_TEXT && value.ends_with('…'),
                 "{name}: {} bytes",
                 value.len()
             );

@@ -20,7 +20,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::dead_letter::{self, DeadLetterReason};
+use crate::dead_letter::{self, DeadLetterReason, Fit};
 use crate::error::RunnerError;
 use crate::message::NatsMessage;
 use crate::options::{RunnerOptions, check_consumer, check_pull_limits};
@@ -228,6 +228,25 @@ where
         Ok((consumer, max_deliver))
     }
 
+    /// After `failures` failed pulls in a row: waits the reconnect delay, then gets the consumer
+    /// again ([`recover`](Self::recover)). `Ok(false)` when `stop` came first.
+    async fn after_failure(
+        &self,
+        stop: &CancellationToken,
+        failures: u32,
+        consumer: &mut PullConsumer,
+        max_deliver: &mut i64,
+        gone: &mut u32,
+    ) -> Result<bool, RunnerError> {
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => return Ok(false),
+            () = tokio::time::sleep(self.common.options.reconnect_delay(failures)) => {}
+        }
+        self.recover(consumer, max_deliver, gone).await?;
+        Ok(true)
+    }
+
     /// After a failed pull: gets the consumer again, as [`consumer`](Self::consumer) does at the
     /// start (so a consumer deleted meanwhile is created again when allowed, and one whose
     /// settings changed is checked again). `Err` when the runner cannot go on: the consumer is
@@ -274,6 +293,9 @@ where
         let permits = Arc::new(Semaphore::new(options.max_in_flight));
         let lost = CancellationToken::new();
         let mut tasks = JoinSet::new();
+        // Failed pulls in a row, reset only by a message: until one comes, every pull is followed
+        // by the pause and a check of the consumer (the pulls of a deleted consumer end silently
+        // at their expiry, and only that check finds it gone).
         let mut failures = 0u32;
         // Whether the last pull brought messages.
         let mut busy = false;
@@ -330,19 +352,17 @@ where
                     failures = failures.saturating_add(1);
                     tracing::warn!(error = %e, failures, "pull request failed");
                     drop(slots);
-                    tokio::select! {
-                        biased;
-                        () = stop.cancelled() => break,
-                        () = tokio::time::sleep(options.reconnect_delay(failures)) => {}
-                    }
-                    if let Err(e) = self
-                        .recover(&mut consumer, &mut max_deliver, &mut gone)
+                    match self
+                        .after_failure(&stop, failures, &mut consumer, &mut max_deliver, &mut gone)
                         .await
                     {
-                        self.drain(tasks, &lost).await;
-                        return Err(e);
+                        Ok(true) => continue,
+                        Ok(false) => break,
+                        Err(e) => {
+                            self.drain(tasks, &lost).await;
+                            return Err(e);
+                        }
                     }
-                    continue;
                 }
             };
             // Read the pull to its end (all its messages, or its expiry), even when stopping:
@@ -409,17 +429,16 @@ where
             }
             if failures > 0 {
                 drop(slots);
-                tokio::select! {
-                    biased;
-                    () = stop.cancelled() => break,
-                    () = tokio::time::sleep(options.reconnect_delay(failures)) => {}
-                }
-                if let Err(e) = self
-                    .recover(&mut consumer, &mut max_deliver, &mut gone)
+                match self
+                    .after_failure(&stop, failures, &mut consumer, &mut max_deliver, &mut gone)
                     .await
                 {
-                    self.drain(tasks, &lost).await;
-                    return Err(e);
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        self.drain(tasks, &lost).await;
+                        return Err(e);
+                    }
                 }
             }
         }
@@ -847,15 +866,19 @@ where
                 .dead_letter_attempts(info, key_id.as_deref())
                 .await
         };
+        let mut fit = if msg.headers().is_some_and(|h| !h.is_empty()) {
+            Fit::Whole
+        } else {
+            Fit::WithoutOriginals
+        };
         let mut headers = dead_letter::headers(
             msg,
             &common.consumer,
             info,
             attempts,
             key_id.as_deref(),
-            true,
+            fit,
         );
-        let mut originals_kept = msg.headers().is_some_and(|h| !h.is_empty());
         let subject = common
             .options
             .dead_letter_subject
@@ -886,17 +909,21 @@ where
                     );
                     return self.send(AckKind::Term, true).await;
                 }
-                Ok(Err(e)) if originals_kept && too_large(&e) => {
-                    tracing::warn!(error = %e, "the dead letter is over the server's or the stream's size limit with the original headers: publishing it with the runner's only, naming the others");
+                Ok(Err(e)) if too_large(&e) && fit.smaller().is_some() => {
+                    fit = fit.smaller().unwrap_or(fit);
+                    if fit == Fit::Compact {
+                        tracing::warn!(error = %e, "the dead letter is over the server's or the stream's size limit with the runner's headers: publishing it with the error and the key cut short");
+                    } else {
+                        tracing::warn!(error = %e, "the dead letter is over the server's or the stream's size limit with the original headers: publishing it with the runner's only, naming the others");
+                    }
                     headers = dead_letter::headers(
                         msg,
                         &common.consumer,
                         info,
                         attempts,
                         key_id.as_deref(),
-                        false,
+                        fit,
                     );
-                    originals_kept = false;
                     continue;
                 }
                 Ok(Err(e)) => {

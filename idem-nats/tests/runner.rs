@@ -206,9 +206,20 @@ async fn dead_letter_the_one_message(
     name: &str,
     consumer: &str,
 ) -> Vec<Read> {
+    dead_letter_the_one_message_with(client, js, name, consumer, "malformed amount").await
+}
+
+/// [`dead_letter_the_one_message`] with the handler's error text.
+async fn dead_letter_the_one_message_with(
+    client: async_nats::Client,
+    js: &async_nats::jetstream::Context,
+    name: &str,
+    consumer: &str,
+    error: &'static str,
+) -> Vec<Read> {
     let store = shared(redis_store(&format!("{}:", unique("idem-nats-refused"))).await);
-    let handler = |_msg: NatsMessage, _ctx: HandlerContext| async {
-        Err::<(), _>(HandlerError::terminal("malformed amount"))
+    let handler = move |_msg: NatsMessage, _ctx: HandlerContext| async move {
+        Err::<(), _>(HandlerError::terminal(error))
     };
     let runner = NatsRunner::builder(
         client,
@@ -454,6 +465,48 @@ async fn a_dead_letter_over_the_stream_size_limit_goes_without_the_original_head
         dead[0].header(idem_nats::HEADER_DROPPED).as_deref(),
         Some("blob,idempotency-key")
     );
+    delete_streams(&js, &name).await;
+}
+
+/// Still over the dead-letter stream's size limit with the runner's headers only (a long error
+/// and a message near the limit), a dead letter is published with the error and the key cut to
+/// `COMPACT_TEXT` bytes. Before, the publication failed every second, forever, and the runner
+/// held the message (and its slot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_still_too_large_goes_with_its_error_cut_short() {
+    use async_nats::jetstream::stream;
+    let Some((client, js, name)) = streams_for("runner_compact").await else {
+        return;
+    };
+    js.update_stream(stream::Config {
+        name: format!("{name}_dlq"),
+        subjects: vec![format!("dlq.{name}.>")],
+        storage: stream::StorageType::File,
+        max_message_size: 20_000,
+        ..Default::default()
+    })
+    .await
+    .expect("limit the dead-letter stream");
+    // 16,500 bytes of payload and a 4,096-byte error header: over 20,000 with or without the
+    // original headers.
+    publish(&js, &name, &[Msg::keyed("big", "x".repeat(16_500))]).await;
+    static LONG: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| "e".repeat(8_000));
+    let dead = dead_letter_the_one_message_with(client, &js, &name, "workers", LONG.as_str()).await;
+    assert_eq!(dead.len(), 1);
+    let d = &dead[0];
+    assert_eq!(d.body.len(), 16_500, "the payload whole");
+    let error = d.header(idem_nats::HEADER_ERROR).expect("error header");
+    assert!(
+        error.len() <= idem_nats::COMPACT_TEXT && error.starts_with("eee") && error.ends_with('…'),
+        "{} bytes",
+        error.len()
+    );
+    assert_eq!(d.header(idem_nats::HEADER_KEY).as_deref(), Some("big"));
+    assert_eq!(
+        d.header(idem_nats::HEADER_DROPPED).as_deref(),
+        Some("idempotency-key")
+    );
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
     delete_streams(&js, &name).await;
 }
 
