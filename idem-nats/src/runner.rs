@@ -871,14 +871,17 @@ where
         } else {
             Fit::WithoutOriginals
         };
-        let mut headers = dead_letter::headers(
-            msg,
-            &common.consumer,
-            info,
-            attempts,
-            key_id.as_deref(),
-            fit,
-        );
+        let headers_for = |fit| {
+            dead_letter::headers(
+                msg,
+                &common.consumer,
+                info,
+                attempts,
+                key_id.as_deref(),
+                fit,
+            )
+        };
+        let mut headers = headers_for(fit);
         let subject = common
             .options
             .dead_letter_subject
@@ -916,14 +919,7 @@ where
                     } else {
                         tracing::warn!(error = %e, "the dead letter is over the server's or the stream's size limit with the original headers: publishing it with the runner's only, naming the others");
                     }
-                    headers = dead_letter::headers(
-                        msg,
-                        &common.consumer,
-                        info,
-                        attempts,
-                        key_id.as_deref(),
-                        fit,
-                    );
+                    headers = headers_for(fit);
                     continue;
                 }
                 Ok(Err(e)) => {

@@ -437,23 +437,28 @@ async fn a_dead_letter_over_the_payload_limit_goes_without_the_original_headers(
     delete_streams(&js, &name).await;
 }
 
-/// The same when the dead-letter stream's `max_msg_size` is what refuses it (the refusal comes
-/// from the stream, not the client).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_letter_over_the_stream_size_limit_goes_without_the_original_headers() {
+/// Sets the `max_msg_size` of `name`'s dead-letter stream to `max` bytes.
+async fn limit_dead_letters(js: &async_nats::jetstream::Context, name: &str, max: i32) {
     use async_nats::jetstream::stream;
-    let Some((client, js, name)) = streams_for("runner_stream_limit").await else {
-        return;
-    };
     js.update_stream(stream::Config {
         name: format!("{name}_dlq"),
         subjects: vec![format!("dlq.{name}.>")],
         storage: stream::StorageType::File,
-        max_message_size: 20_000,
+        max_message_size: max,
         ..Default::default()
     })
     .await
     .expect("limit the dead-letter stream");
+}
+
+/// The same when the dead-letter stream's `max_msg_size` is what refuses it (the refusal comes
+/// from the stream, not the client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_over_the_stream_size_limit_goes_without_the_original_headers() {
+    let Some((client, js, name)) = streams_for("runner_stream_limit").await else {
+        return;
+    };
+    limit_dead_letters(&js, &name, 20_000).await;
     let mut msg = Msg::keyed("big", "x".repeat(15_000));
     msg.headers.push(("blob".into(), "y".repeat(5_000)));
     publish(&js, &name, &[msg]).await;
@@ -474,19 +479,10 @@ async fn a_dead_letter_over_the_stream_size_limit_goes_without_the_original_head
 /// held the message (and its slot).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_still_too_large_goes_with_its_error_cut_short() {
-    use async_nats::jetstream::stream;
     let Some((client, js, name)) = streams_for("runner_compact").await else {
         return;
     };
-    js.update_stream(stream::Config {
-        name: format!("{name}_dlq"),
-        subjects: vec![format!("dlq.{name}.>")],
-        storage: stream::StorageType::File,
-        max_message_size: 20_000,
-        ..Default::default()
-    })
-    .await
-    .expect("limit the dead-letter stream");
+    limit_dead_letters(&js, &name, 20_000).await;
     // 16,500 bytes of payload and a 4,096-byte error header: over 20,000 with or without the
     // original headers.
     publish(&js, &name, &[Msg::keyed("big", "x".repeat(16_500))]).await;
