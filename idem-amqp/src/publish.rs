@@ -232,36 +232,30 @@ impl Publisher {
     /// Declares `topology` again on a channel of its own (a refused declaration closes it), for
     /// a publication refused because an exchange or a queue of it is gone.
     pub(crate) async fn redeclare(&self, topology: &QueueTopology) -> Result<(), RunnerError> {
-        let context = "opening a channel to declare the topology again";
-        let connection = {
-            let mut link = tokio::time::timeout(self.timeout, self.link.lock())
+        let context = "declaring the topology again";
+        let declare = async {
+            let connection = {
+                let mut link = self.link.lock().await;
+                if link.closed {
+                    let closed =
+                        lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed);
+                    return Err(RunnerError::amqp(context, closed.into()));
+                }
+                link.connection(&self.uri, &self.properties)
+                    .await
+                    .map_err(|e| RunnerError::amqp(context, e))?
+            };
+            let channel = connection
+                .create_channel()
                 .await
-                .map_err(|_| RunnerError::amqp(context, timed_out_error(self.timeout)))?;
-            if link.closed {
-                return Err(RunnerError::amqp(
-                    context,
-                    lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(
-                        lapin::ConnectionState::Closed,
-                    )),
-                ));
-            }
-            tokio::time::timeout(self.timeout, link.connection(&self.uri, &self.properties))
-                .await
-                .map_err(|_| RunnerError::amqp(context, timed_out_error(self.timeout)))?
-                .map_err(|e| RunnerError::amqp(context, e))?
+                .map_err(|e| RunnerError::amqp(context, e))?;
+            let declared = topology.declare_on(&channel).await;
+            close_in_background(async move { channel.close(200, "declared".into()).await });
+            declared
         };
-        let channel = tokio::time::timeout(self.timeout, connection.create_channel())
+        tokio::time::timeout(self.timeout, declare)
             .await
-            .map_err(|_| RunnerError::amqp(context, timed_out_error(self.timeout)))?
-            .map_err(|e| RunnerError::amqp(context, e))?;
-        let declared = tokio::time::timeout(self.timeout, topology.declare_on(&channel)).await;
-        close_in_background(async move { channel.close(200, "declared".into()).await });
-        declared.unwrap_or_else(|_| {
-            Err(RunnerError::amqp(
-                "declaring the topology again",
-                timed_out_error(self.timeout),
-            ))
-        })
+            .unwrap_or_else(|_| Err(RunnerError::amqp(context, timed_out_error(self.timeout))))
     }
 
     /// Closes the channel and the connection (best effort), for good: a later publication is

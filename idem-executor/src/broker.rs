@@ -316,20 +316,7 @@ async fn release_unstarted(
     let Some(lease) = ctx.lease() else {
         return false;
     };
-    match tokio::time::timeout(timeout, store.release(lease)).await {
-        Ok(Ok(())) => {
-            tracing::info!(key = %lease.key, token = %lease.token, "delivery lost before the handler started: lease released");
-            true
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(key = %lease.key, error = %e, "delivery lost: lease release failed; {otherwise}");
-            false
-        }
-        Err(_) => {
-            tracing::warn!(key = %lease.key, "delivery lost: lease release timed out; {otherwise}");
-            false
-        }
-    }
+    crate::lease::release_unstarted_lease(store, lease, timeout, otherwise).await
 }
 
 /// How one executor call for a delivery ended ([`Execution::try_once`]).

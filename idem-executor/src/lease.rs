@@ -12,7 +12,32 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use idem_core::Lease;
+use idem_core::{DynStore, Lease};
+
+/// Gives a lease whose handler never started back to the store, waiting at most `timeout`, and
+/// logs the outcome; `otherwise` says what happens when the release fails. `true` once
+/// released.
+pub(crate) async fn release_unstarted_lease(
+    store: &DynStore,
+    lease: &Lease,
+    timeout: Duration,
+    otherwise: &str,
+) -> bool {
+    match tokio::time::timeout(timeout, store.release(lease)).await {
+        Ok(Ok(())) => {
+            tracing::info!(key = %lease.key, token = %lease.token, "the handler never started: lease released");
+            true
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(key = %lease.key, error = %e, "the handler never started: lease release failed; {otherwise}");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(key = %lease.key, "the handler never started: lease release timed out; {otherwise}");
+            false
+        }
+    }
+}
 
 /// One lease in flight: one allocation per message, the cancellation token made only when
 /// something asks for it (a handler still pending at its first poll, or one that reads it).

@@ -41,7 +41,6 @@ const DEAD_LETTER_RETRY: Duration = Duration::from_secs(1);
 /// `R` is the executor's [`Recorder`]: the handler returns `R::Returns<T>` (`T` on a plain
 /// executor, a [`Commit`](idem_executor::Commit) on a transactional one).
 pub struct NatsRunner<H, T, C = JsonCodec, R = Plain> {
-    consumer: String,
     common: Arc<Common<H, C, R>>,
     _result: PhantomData<fn() -> T>,
 }
@@ -50,7 +49,7 @@ impl<H, T, C, R> std::fmt::Debug for NatsRunner<H, T, C, R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsRunner")
             .field("stream", &self.common.stream)
-            .field("consumer", &self.consumer)
+            .field("consumer", &self.common.consumer)
             .field("options", &self.common.options)
             .finish_non_exhaustive()
     }
@@ -163,12 +162,12 @@ where
         tokio::select! {
             result = &mut main => return result,
             () = &mut shutdown => {
-                tracing::info!(stream = %self.common.stream, consumer = %self.consumer, "shutdown requested: draining");
+                tracing::info!(stream = %self.common.stream, consumer = %self.common.consumer, "shutdown requested: draining");
                 stop.cancel();
             }
         }
         let result = main.await;
-        tracing::info!(stream = %self.common.stream, consumer = %self.consumer, "nats runner stopped");
+        tracing::info!(stream = %self.common.stream, consumer = %self.common.consumer, "nats runner stopped");
         result
     }
 
@@ -183,7 +182,7 @@ where
             .map_err(|e| RunnerError::nats(format!("getting stream {}", common.stream), e))?;
         let consumer: PullConsumer = if options.create_consumer {
             let config = PullConfig {
-                durable_name: Some(self.consumer.clone()),
+                durable_name: Some(self.common.consumer.clone()),
                 ack_policy: AckPolicy::Explicit,
                 ack_wait: options.ack_wait,
                 max_deliver: options.max_deliver.unwrap_or(-1),
@@ -191,16 +190,21 @@ where
                 ..PullConfig::default()
             };
             stream
-                .get_or_create_consumer(&self.consumer, config)
+                .get_or_create_consumer(&self.common.consumer, config)
                 .await
                 .map_err(|e| {
-                    RunnerError::nats(format!("getting or creating consumer {}", self.consumer), e)
+                    RunnerError::nats(
+                        format!("getting or creating consumer {}", self.common.consumer),
+                        e,
+                    )
                 })?
         } else {
             stream
-                .get_consumer(&self.consumer)
+                .get_consumer(&self.common.consumer)
                 .await
-                .map_err(|e| RunnerError::nats(format!("getting consumer {}", self.consumer), e))?
+                .map_err(|e| {
+                    RunnerError::nats(format!("getting consumer {}", self.common.consumer), e)
+                })?
         };
         let config = &consumer.cached_info().config;
         if config.ack_policy != AckPolicy::Explicit {
@@ -208,7 +212,7 @@ where
                 "ack_policy",
                 format!(
                     "consumer {} acknowledges {:?}: the runner needs explicit acks",
-                    self.consumer, config.ack_policy
+                    self.common.consumer, config.ack_policy
                 ),
             ));
         }
@@ -263,7 +267,7 @@ where
             Ok((again, deliver)) => {
                 *gone = 0;
                 if again.cached_info().created != consumer.cached_info().created {
-                    tracing::warn!(consumer = %self.consumer, "the consumer was created again: it delivers the stream from its start, and the store replays what was done");
+                    tracing::warn!(consumer = %self.common.consumer, "the consumer was created again: it delivers the stream from its start, and the store replays what was done");
                 }
                 *consumer = again;
                 *max_deliver = deliver;
@@ -289,7 +293,7 @@ where
         let (mut consumer, mut max_deliver) = self.consumer().await?;
         // Checks in a row that found the stream or the consumer gone.
         let mut gone = 0;
-        tracing::info!(stream = %common.stream, consumer = %self.consumer, max_deliver, "nats runner consuming");
+        tracing::info!(stream = %common.stream, consumer = %self.common.consumer, max_deliver, "nats runner consuming");
         let permits = Arc::new(Semaphore::new(options.max_in_flight));
         let lost = CancellationToken::new();
         let mut tasks = JoinSet::new();
@@ -537,7 +541,6 @@ where
             return Err(RunnerError::config("consumer", "is empty"));
         }
         Ok(NatsRunner {
-            consumer: self.consumer.clone(),
             common: Arc::new(Common {
                 execution: Execution::new(self.executor, self.handler),
                 jetstream: async_nats::jetstream::new(self.client.clone()),

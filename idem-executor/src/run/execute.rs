@@ -21,7 +21,7 @@ use crate::codec::Codec;
 use crate::context::{HandlerContext, HandlerError};
 use crate::error::ExecutorError;
 use crate::heartbeat::{Heartbeats, Registration};
-use crate::lease::LeaseState;
+use crate::lease::{LeaseState, release_unstarted_lease};
 use crate::metric_names::Counter;
 use crate::outcome::Outcome;
 use crate::transactional::Recorder;
@@ -66,17 +66,8 @@ impl Drop for Leased<'_> {
         let store = self.heartbeats.store().clone();
         let lease = self.state.lease.clone();
         runtime.spawn(async move {
-            match tokio::time::timeout(DROP_RELEASE_TIMEOUT, store.release(&lease)).await {
-                Ok(Ok(())) => {
-                    tracing::info!(key = %lease.key, token = %lease.token, "dropped before its handler ran: lease released");
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(key = %lease.key, error = %e, "dropped before its handler ran: lease release failed; the lease expires");
-                }
-                Err(_) => {
-                    tracing::warn!(key = %lease.key, "dropped before its handler ran: lease release timed out; the lease expires");
-                }
-            }
+            let otherwise = "dropped before its handler ran, the lease expires";
+            release_unstarted_lease(&store, &lease, DROP_RELEASE_TIMEOUT, otherwise).await;
         });
     }
 }
