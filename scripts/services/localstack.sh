@@ -16,11 +16,12 @@
 #   compiled here from localstack-agent/NoopAgent.java with the machine's `javac` and `jar`
 #   (LocalStack's own agent, a patch for more than 20 GSIs, would be downloaded).
 #
-# Then runs `python -m localstack.runtime.main` in the background and waits (90 s at most) until
-# its health endpoint says DynamoDB and SQS run and its DynamoDB Local (a Java child of the Python
-# process) is up. Idempotent: a LocalStack already answering on the port is reused. It never
-# stops anything it did not start: `localstack.sh stop` stops the Python process and its Java
-# child recorded in the pid files, after checking their command lines are this install's.
+# Then runs `python -m localstack.runtime.main` in the background and waits (360 s at most: on a
+# loaded machine its start has taken over 300 s) until its health endpoint says DynamoDB and SQS
+# run and its DynamoDB Local (a Java child of the Python process) is up. Idempotent: a LocalStack
+# already answering on the port is reused. It never stops anything it did not start:
+# `localstack.sh stop` stops the Python process and its Java child recorded in the pid files,
+# after checking their command lines are this install's.
 #
 #   IDEM_LOCALSTACK_PORT          gateway port on 127.0.0.1 (default 4566); the tests read
 #                                 IDEM_LOCALSTACK_ENDPOINT (default http://127.0.0.1:4566)
@@ -50,7 +51,7 @@ log="$run_dir/localstack.log"
 pidfile="$run_dir/localstack.pid"
 java_pidfile="$run_dir/localstack-java.pid"
 url="http://127.0.0.1:$port"
-health_timeout=90
+health_timeout=360
 mkdir -p "$run_dir" "$cache_dir"
 
 say() { echo "localstack: $*"; }
