@@ -81,6 +81,66 @@ pub fn header_text(text: &str) -> std::borrow::Cow<'_, str> {
     idem_core::fit_text(text, MAX_HEADER_TEXT)
 }
 
+/// How long [`HEADER_ERROR`] and [`HEADER_KEY`] are at most in a dead letter's [`Fit::Compact`]
+/// form, in bytes.
+pub const COMPACT_TEXT: usize = 256;
+
+/// How much a dead letter carries beside its body: less each time the broker refuses it as too
+/// large (the headers or attributes count towards a broker's size limit, so a body near the
+/// limit may leave no room for them).
+///
+/// A runner first sends the [`Whole`](Self::Whole) form (or
+/// [`WithoutOriginals`](Self::WithoutOriginals) when the message had no headers of its own) and
+/// steps down with [`smaller`](Self::smaller) on each refusal for size. A body too large on its
+/// own is still refused in the smallest form; the runner then keeps trying it, as it does any
+/// failed send.
+///
+/// ```
+/// use idem_executor::broker::{COMPACT_TEXT, Fit, MAX_HEADER_TEXT};
+///
+/// assert_eq!(Fit::Whole.smaller(), Some(Fit::WithoutOriginals));
+/// assert_eq!(Fit::WithoutOriginals.smaller(), Some(Fit::Compact));
+/// assert_eq!(Fit::Compact.smaller(), None);
+/// let error = "e".repeat(10_000);
+/// assert!(Fit::Whole.cut(&error).len() <= MAX_HEADER_TEXT);
+/// assert!(Fit::Compact.cut(&error).len() <= COMPACT_TEXT);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fit {
+    /// The message's own headers (or attributes) and the runner's.
+    Whole,
+    /// The runner's only; a header names the message's own that were left out.
+    WithoutOriginals,
+    /// The runner's only, with the error, the key and the names of those left out cut to
+    /// [`COMPACT_TEXT`] bytes.
+    Compact,
+}
+
+impl Fit {
+    /// The next smaller form, if any.
+    pub fn smaller(self) -> Option<Self> {
+        match self {
+            Self::Whole => Some(Self::WithoutOriginals),
+            Self::WithoutOriginals => Some(Self::Compact),
+            Self::Compact => None,
+        }
+    }
+
+    /// Whether this form carries the message's own headers.
+    pub fn keeps_originals(self) -> bool {
+        self == Self::Whole
+    }
+
+    /// `text` as this form writes it: [`header_text`], or cut to [`COMPACT_TEXT`] bytes (on a
+    /// character boundary, ending with `…`) in the compact form.
+    pub fn cut(self, text: &str) -> std::borrow::Cow<'_, str> {
+        match self {
+            Self::Compact => idem_core::fit_text(text, COMPACT_TEXT),
+            Self::Whole | Self::WithoutOriginals => header_text(text),
+        }
+    }
+}
+
 /// The value of [`HEADER_ATTEMPTS`]: the count in decimal, or [`ATTEMPTS_UNKNOWN`].
 pub fn attempts_value(attempts: Option<u32>) -> String {
     attempts.map_or_else(|| ATTEMPTS_UNKNOWN.to_owned(), |n| n.to_string())

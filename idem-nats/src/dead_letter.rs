@@ -2,11 +2,13 @@
 
 use async_nats::HeaderMap;
 pub use idem_executor::DeadLetterReason;
-use idem_executor::broker::{DeadLetterInfo, attempts_value, header_text};
+use idem_executor::broker::{DeadLetterInfo, Fit, attempts_value};
 
 use crate::message::NatsMessage;
 
-pub use idem_executor::broker::{HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_REASON};
+pub use idem_executor::broker::{
+    COMPACT_TEXT, HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_REASON,
+};
 /// Header with the stream the message was read from.
 pub const HEADER_SOURCE_STREAM: &str = "idem-dlq-source-stream";
 /// Header with the subject the message was published on.
@@ -83,33 +85,6 @@ pub fn dead_letter_id(stream: &str, consumer: &str, sequence: u64) -> String {
     format!("{stream}.{consumer}.{sequence}")
 }
 
-/// How much of its headers a dead letter carries: less each time the server finds it over its
-/// payload limit or the dead-letter stream's `max_msg_size` (headers count towards both).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Fit {
-    /// The original headers and the runner's.
-    Whole,
-    /// The runner's only ([`HEADER_DROPPED`] names the others).
-    WithoutOriginals,
-    /// The runner's only, the error and the key cut to [`COMPACT_TEXT`] bytes.
-    Compact,
-}
-
-impl Fit {
-    /// The next smaller fit, if any.
-    pub(crate) fn smaller(self) -> Option<Self> {
-        match self {
-            Self::Whole => Some(Self::WithoutOriginals),
-            Self::WithoutOriginals => Some(Self::Compact),
-            Self::Compact => None,
-        }
-    }
-}
-
-/// How long the error and the key headers of a dead letter are at most when, with their usual
-/// length (4,096 bytes each), it was still over the size limit.
-pub const COMPACT_TEXT: usize = 256;
-
 /// The original headers (when `fit` is [`Fit::Whole`]; else [`HEADER_DROPPED`] names them) with
 /// the dead-letter headers added (replacing any of the same name).
 pub(crate) fn headers(
@@ -120,11 +95,8 @@ pub(crate) fn headers(
     key_id: Option<&str>,
     fit: Fit,
 ) -> HeaderMap {
-    let originals = fit == Fit::Whole;
-    let cut = |text: &str| match fit {
-        Fit::Compact => escape(&idem_core::fit_text(text, COMPACT_TEXT)),
-        _ => escape(&header_text(text)),
-    };
+    let originals = fit.keeps_originals();
+    let cut = |text: &str| escape(&fit.cut(text));
     let mut headers = HeaderMap::new();
     let mut source_msg_id = None;
     let mut dropped = Vec::new();
@@ -171,7 +143,7 @@ pub(crate) fn headers(
     }
     if !dropped.is_empty() {
         dropped.sort_unstable();
-        headers.insert(HEADER_DROPPED, escape(&header_text(&dropped.join(","))));
+        headers.insert(HEADER_DROPPED, cut(&dropped.join(",")));
     }
     headers.insert(
         "Nats-Msg-Id",

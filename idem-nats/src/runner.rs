@@ -11,7 +11,9 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::{AckKind, Acker};
 use futures::{FutureExt, StreamExt};
-use idem_executor::broker::{self, DeadLetterInfo, DrainTimeouts, Execution, Step, outcome_name};
+use idem_executor::broker::{
+    self, DeadLetterInfo, DrainTimeouts, Execution, Fit, Step, outcome_name,
+};
 use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -20,7 +22,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::dead_letter::{self, DeadLetterReason, Fit};
+use crate::dead_letter::{self, DeadLetterReason};
 use crate::error::RunnerError;
 use crate::message::NatsMessage;
 use crate::options::{RunnerOptions, check_consumer, check_pull_limits};

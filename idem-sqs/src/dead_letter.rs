@@ -6,15 +6,20 @@ use std::collections::HashMap;
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::MessageAttributeValue;
 pub use idem_executor::DeadLetterReason;
-use idem_executor::broker::{self, DeadLetterInfo, attempts_value};
+pub use idem_executor::broker::COMPACT_TEXT;
+use idem_executor::broker::{self, DeadLetterInfo, Fit, attempts_value};
 
+use crate::call::{self, CallError};
 use crate::message::SqsMessage;
+use crate::options::RunnerOptions;
 
 /// Attribute naming why the message was dead-lettered: a [`DeadLetterReason`] code.
 pub const ATTR_REASON: &str = broker::HEADER_REASON;
 /// Attribute with the error text: the last recorded error, or what was wrong with the message
 /// (characters SQS does not allow in attribute values written as `\u{..}`, cut to
-/// [`MAX_ERROR_LEN`] bytes with `…`; absent when the text is empty).
+/// [`MAX_ERROR_LEN`] bytes with `…`, or to [`COMPACT_TEXT`] bytes when the dead-letter queue
+/// refused the message as too large even without its original attributes; absent when the text
+/// is empty).
 pub const ATTR_ERROR: &str = broker::HEADER_ERROR;
 /// Attribute with the number of attempts the store counted for the key (decimal; `0` when the
 /// handler never ran for this payload, as for a conflict or an unreadable message; `unknown`
@@ -28,7 +33,9 @@ pub const ATTR_SOURCE_MESSAGE_ID: &str = "idem-dlq-source-message-id";
 /// Attribute listing (comma-separated) the original message attributes that did not fit:
 /// SQS takes at most [`MAX_ATTRIBUTES`] attributes per message, and the runner's own come first.
 /// It names them all when the dead-letter queue refused the message with them as invalid (a
-/// body near the size limit, whose attributes count towards it).
+/// body near the size limit, whose attributes count towards it); refused again without them,
+/// the message goes with this list, [`ATTR_ERROR`] and [`ATTR_KEY`] cut to [`COMPACT_TEXT`]
+/// bytes.
 pub const ATTR_DROPPED: &str = "idem-dlq-dropped-attributes";
 /// The most message attributes SQS takes on one message.
 pub const MAX_ATTRIBUTES: usize = 10;
@@ -63,30 +70,25 @@ fn string(value: &str) -> MessageAttributeValue {
 }
 
 /// The dead-letter message's attributes: the runner's first, then the original ones (by name)
-/// while they fit in [`MAX_ATTRIBUTES`] (none unless `originals`); when some do not, the last
-/// place names them ([`ATTR_DROPPED`]).
+/// while they fit in [`MAX_ATTRIBUTES`] (none unless `fit` keeps them); when some do not, the
+/// last place names them ([`ATTR_DROPPED`]). Texts are cut as `fit` cuts them.
 pub(crate) fn attributes(
     msg: &SqsMessage,
     info: &DeadLetterInfo,
     attempts: Option<u32>,
     key_id: Option<&str>,
-    originals: bool,
+    fit: Fit,
 ) -> HashMap<String, MessageAttributeValue> {
+    let text = |text: &str| string(&fit.cut(&attribute_text(text)));
     let mut out = HashMap::with_capacity(MAX_ATTRIBUTES);
     out.insert(ATTR_REASON.to_owned(), string(info.reason.as_str()));
-    let error = attribute_text(&info.error);
-    let error = idem_core::fit_text(&error, MAX_ERROR_LEN);
-    if !error.is_empty() {
-        out.insert(ATTR_ERROR.to_owned(), string(&error));
+    if !info.error.is_empty() {
+        out.insert(ATTR_ERROR.to_owned(), text(&info.error));
     }
     let attempts = attempts_value(attempts);
     out.insert(ATTR_ATTEMPTS.to_owned(), string(&attempts));
     if let Some(key) = key_id.filter(|k| !k.is_empty()) {
-        let key = attribute_text(key);
-        out.insert(
-            ATTR_KEY.to_owned(),
-            string(&idem_core::fit_text(&key, MAX_ERROR_LEN)),
-        );
+        out.insert(ATTR_KEY.to_owned(), text(key));
     }
     if !msg.message_id().is_empty() {
         out.insert(ATTR_SOURCE_MESSAGE_ID.to_owned(), string(msg.message_id()));
@@ -102,7 +104,7 @@ pub(crate) fn attributes(
     original.sort_by(|a, b| a.0.cmp(b.0));
     let room = MAX_ATTRIBUTES - out.len();
     let kept = match original.len() {
-        _ if !originals => 0,
+        _ if !fit.keeps_originals() => 0,
         n if n <= room => n,
         // The last place names the rest.
         _ => room - 1,
@@ -114,7 +116,7 @@ pub(crate) fn attributes(
     );
     if kept < original.len() {
         let dropped: Vec<&str> = original[kept..].iter().map(|(k, _)| k.as_str()).collect();
-        out.insert(ATTR_DROPPED.to_owned(), string(&dropped.join(",")));
+        out.insert(ATTR_DROPPED.to_owned(), text(&dropped.join(",")));
     }
     out
 }
@@ -127,15 +129,17 @@ pub(crate) struct DeadLetterQueue {
 }
 
 impl DeadLetterQueue {
-    /// Sends the original body with `attributes`. On a FIFO dead-letter queue the message keeps
-    /// its group (or `idem-dlq` from a standard queue), and its deduplication id is the source
-    /// message id, so a send repeated after a crash within SQS's five-minute window is dropped.
+    /// Sends the original body with `attributes`, waiting at most the `call_timeout` of
+    /// `options`. On a FIFO dead-letter queue the message keeps its group (or `idem-dlq` from a
+    /// standard queue), and its deduplication id is the source message id, so a send repeated
+    /// (after a crash, or a call that timed out) within SQS's five-minute window is dropped.
     pub(crate) async fn send(
         &self,
         client: &Client,
+        options: &RunnerOptions,
         msg: &SqsMessage,
         attributes: HashMap<String, MessageAttributeValue>,
-    ) -> Result<(), aws_sdk_sqs::Error> {
+    ) -> Result<(), CallError> {
         let mut send = client
             .send_message()
             .queue_url(&self.url)
@@ -146,16 +150,19 @@ impl DeadLetterQueue {
                 .message_group_id(msg.message_group_id().unwrap_or("idem-dlq"))
                 .message_deduplication_id(msg.message_id());
         }
-        send.send().await.map(|_| ()).map_err(Into::into)
+        call::bounded(options.call_timeout, send.send())
+            .await
+            .map(|_| ())
     }
 }
 
 /// Whether SQS refused a send as invalid (`InvalidParameterValue`: a message over the queue's
 /// size limit, an attribute it does not take), rather than failing to answer.
-pub(crate) fn refused_as_invalid(error: &aws_sdk_sqs::Error) -> bool {
+pub(crate) fn refused_as_invalid(error: &CallError) -> bool {
     use aws_sdk_sqs::error::ProvideErrorMetadata;
     error
-        .code()
+        .sqs()
+        .and_then(|e| e.code())
         .is_some_and(|code| code.starts_with("InvalidParameterValue"))
 }
 
@@ -192,7 +199,7 @@ mod tests {
             error: "fingerprint\u{0} conflict".into(),
             attempts: Some(0),
         };
-        let attrs = attributes(&msg, &info, Some(0), Some("tx-1"), true);
+        let attrs = attributes(&msg, &info, Some(0), Some("tx-1"), Fit::Whole);
         assert_eq!(attrs.len(), MAX_ATTRIBUTES);
         assert_eq!(text(&attrs, ATTR_REASON).as_deref(), Some("conflict"));
         assert_eq!(
@@ -214,28 +221,47 @@ mod tests {
                 .build(),
             "http://q",
         );
-        let attrs = attributes(&few, &info, None, None, true);
+        let attrs = attributes(&few, &info, None, None, Fit::Whole);
         assert_eq!(text(&attrs, ATTR_ATTEMPTS).as_deref(), Some("unknown"));
         assert_eq!(text(&attrs, "idempotency-key").as_deref(), Some("tx-2"));
         assert!(!attrs.contains_key(ATTR_DROPPED) && !attrs.contains_key(ATTR_KEY));
     }
 
     #[test]
-    fn a_long_error_and_key_are_cut() {
-        let msg = SqsMessage::new(Received::builder().message_id("m-1").build(), "http://q");
+    fn a_long_error_and_key_are_cut_and_cut_short_in_the_compact_form() {
+        let mut received = Received::builder().message_id("m-1");
+        for i in 0..40 {
+            received = received.message_attributes(format!("attribute-{i:02}"), string("v"));
+        }
+        let msg = SqsMessage::new(received.build(), "http://q");
         let info = DeadLetterInfo {
             reason: DeadLetterReason::InvalidKey,
             error: "e".repeat(100_000),
             attempts: Some(0),
         };
-        let attrs = attributes(&msg, &info, Some(0), Some(&"k".repeat(100_000)), true);
+        let key = "k".repeat(100_000);
+        let whole = attributes(&msg, &info, Some(0), Some(&key), Fit::Whole);
         for name in [ATTR_ERROR, ATTR_KEY] {
-            let value = text(&attrs, name).unwrap();
+            let value = text(&whole, name).unwrap();
             assert!(
-                value.len() <= MAX_ERROR_LEN && value.ends_with('…'),
+                value.len() <= MAX_ERROR_LEN && value.len() > COMPACT_TEXT && value.ends_with('…'),
                 "{name}: {} bytes",
                 value.len()
             );
         }
+        let without = attributes(&msg, &info, Some(0), Some(&key), Fit::WithoutOriginals);
+        assert!(!without.contains_key("attribute-00"));
+        assert!(text(&without, ATTR_DROPPED).unwrap().len() > COMPACT_TEXT);
+        let compact = attributes(&msg, &info, Some(0), Some(&key), Fit::Compact);
+        for name in [ATTR_ERROR, ATTR_KEY, ATTR_DROPPED] {
+            let value = text(&compact, name).unwrap();
+            assert!(
+                value.len() <= COMPACT_TEXT && value.ends_with('…'),
+                "{name}: {} bytes",
+                value.len()
+            );
+        }
+        assert_eq!(text(&compact, ATTR_REASON).as_deref(), Some("invalid_key"));
+        assert!(!compact.contains_key("attribute-00"));
     }
 }

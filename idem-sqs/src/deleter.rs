@@ -2,7 +2,9 @@
 //! `DeleteMessageBatch`, up to 10 per call and up to `max_delete_calls` calls at once. When no
 //! call is in flight a delete goes out at once; otherwise it waits for the next call, with the
 //! others that came in meanwhile, and only a full batch of 10 opens another call: batches grow
-//! with the load, never with a timer, and a loaded server gets full batches.
+//! with the load, never with a timer, and a loaded server gets full batches. Each call waits at
+//! most the runner's `call_timeout`: a call that never answered would hold every later partial
+//! batch.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +13,7 @@ use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::DeleteMessageBatchRequestEntry;
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
+use crate::call;
 use crate::options::MAX_BATCH;
 use crate::stats::{RunnerStats, metric_names as m};
 
@@ -36,10 +39,11 @@ impl Deleter {
         client: Client,
         queue_url: String,
         max_calls: usize,
+        call_timeout: Duration,
         stats: Arc<RunnerStats>,
     ) -> (Self, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(run(client, queue_url, max_calls, stats, rx));
+        let task = tokio::spawn(run(client, queue_url, max_calls, call_timeout, stats, rx));
         (Self { tx }, task)
     }
 
@@ -61,6 +65,7 @@ async fn run(
     client: Client,
     queue_url: String,
     max_calls: usize,
+    call_timeout: Duration,
     stats: Arc<RunnerStats>,
     mut rx: mpsc::UnboundedReceiver<Request>,
 ) {
@@ -102,7 +107,7 @@ async fn run(
             Arc::clone(&call_ended),
         );
         tokio::spawn(async move {
-            send(&client, &queue_url, &stats, batch).await;
+            send(&client, &queue_url, call_timeout, &stats, batch).await;
             drop(permit);
             call_ended.notify_one();
         });
@@ -115,7 +120,13 @@ async fn run(
 }
 
 /// One `DeleteMessageBatch` for `batch`, answered entry by entry.
-async fn send(client: &Client, queue_url: &str, stats: &RunnerStats, batch: Vec<Request>) {
+async fn send(
+    client: &Client,
+    queue_url: &str,
+    call_timeout: Duration,
+    stats: &RunnerStats,
+    batch: Vec<Request>,
+) {
     let entries: Vec<DeleteMessageBatchRequestEntry> = batch
         .iter()
         .enumerate()
@@ -130,19 +141,17 @@ async fn send(client: &Client, queue_url: &str, stats: &RunnerStats, batch: Vec<
     let mut outcome = Err(String::new());
     for attempt in 1..=CALL_TRIES {
         RunnerStats::bump(&stats.delete_calls);
-        match client
+        let request = client
             .delete_message_batch()
             .queue_url(queue_url)
             .set_entries(Some(entries.clone()))
-            .send()
-            .await
-        {
+            .send();
+        match call::bounded(call_timeout, request).await {
             Ok(out) => {
                 outcome = Ok(out);
                 break;
             }
             Err(e) => {
-                let e = aws_sdk_sqs::Error::from(e);
                 tracing::warn!(error = %e, attempt, "DeleteMessageBatch failed");
                 outcome = Err(e.to_string());
                 if attempt < CALL_TRIES {

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod call;
 mod dead_letter;
 mod deleter;
 mod error;
@@ -12,7 +13,7 @@ mod worker;
 pub use aws_sdk_sqs;
 pub use dead_letter::{
     ATTR_ATTEMPTS, ATTR_DROPPED, ATTR_ERROR, ATTR_KEY, ATTR_REASON, ATTR_SOURCE_MESSAGE_ID,
-    DeadLetterReason, MAX_ATTRIBUTES, MAX_ERROR_LEN,
+    COMPACT_TEXT, DeadLetterReason, MAX_ATTRIBUTES, MAX_ERROR_LEN,
 };
 pub use error::RunnerError;
 pub use idem_executor::Handler;

@@ -72,10 +72,19 @@ pub struct RunnerOptions {
     /// Longest wait for the release of a lease whose handler had not started at the drain
     /// timeout (default 5 s, below [`orphan_timeout`](Self::orphan_timeout)).
     pub release_timeout: Duration,
-    /// Batched delete calls sent at once (default 4; 1 to [`MAX_DELETE_CALLS`]). Acknowledged
-    /// messages wait while all are in flight, and go out together in the next call (up to 10
-    /// per call).
+    /// Batched delete calls sent at once (default 4; 1 to [`MAX_DELETE_CALLS`]). A delete goes
+    /// out at once when no call is in flight; otherwise it waits, with the others that come in
+    /// meanwhile, for the next call: when a call ends, or on a free call once 10 are waiting (up
+    /// to 10 per call).
     pub max_delete_calls: usize,
+    /// Longest wait for SQS's answer to one call (default 30 s; above zero): a visibility
+    /// change, a delete, a dead-letter send; a receive may take [`wait_time`](Self::wait_time)
+    /// on top. The AWS SDK bounds no call unless the client's config sets a timeout, and a
+    /// call that never answers would hold what waits on it (the receive loop, or every later
+    /// partial batch of deletes) for good. A call that timed out counts as failed and is tried
+    /// again as a failed call is; it may still have taken effect (a message deleted, a dead
+    /// letter sent: then sent twice on a standard dead-letter queue).
+    pub call_timeout: Duration,
 }
 
 impl Default for RunnerOptions {
@@ -93,6 +102,7 @@ impl Default for RunnerOptions {
             orphan_timeout: Duration::from_secs(10),
             release_timeout: Duration::from_secs(5),
             max_delete_calls: 4,
+            call_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -162,6 +172,12 @@ impl RunnerOptions {
     /// Sets [`max_delete_calls`](Self::max_delete_calls).
     pub fn with_max_delete_calls(mut self, n: usize) -> Self {
         self.max_delete_calls = n;
+        self
+    }
+
+    /// Sets [`call_timeout`](Self::call_timeout).
+    pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
         self
     }
 
@@ -250,7 +266,10 @@ impl RunnerOptions {
                 ),
             ));
         }
-        broker::check_nonzero([("dead_letter_retry_delay", &self.dead_letter_retry_delay)])?;
+        broker::check_nonzero([
+            ("dead_letter_retry_delay", &self.dead_letter_retry_delay),
+            ("call_timeout", &self.call_timeout),
+        ])?;
         self.lost_timeouts().validate()?;
         Ok(())
     }
@@ -349,6 +368,10 @@ mod tests {
         assert_eq!(
             field(d().with_max_delete_calls(0).validate(HEARTBEAT)),
             "max_delete_calls"
+        );
+        assert_eq!(
+            field(d().with_call_timeout(Duration::ZERO).validate(HEARTBEAT)),
+            "call_timeout"
         );
         // Counts semaphores are sized by, and a retry delay of zero (a message received again
         // at once, in a loop).

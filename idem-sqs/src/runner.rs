@@ -19,6 +19,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::call::{self, CallError};
 use crate::dead_letter::DeadLetterQueue;
 use crate::deleter::Deleter;
 use crate::error::RunnerError;
@@ -94,7 +95,8 @@ where
     /// handler. A [dead-letter queue](SqsRunnerBuilder::dead_letter_queue) is required.
     ///
     /// The client's read (or operation attempt) timeout, if it sets one, must be longer than
-    /// [`wait_time`](RunnerOptions::wait_time): a long poll waits that long for messages.
+    /// [`wait_time`](RunnerOptions::wait_time): a long poll waits that long for messages. The
+    /// runner bounds its calls itself ([`call_timeout`](RunnerOptions::call_timeout)).
     pub fn builder(
         client: Client,
         queue_url: impl Into<String>,
@@ -155,6 +157,7 @@ where
             self.client.clone(),
             self.queue_url.clone(),
             options.max_delete_calls,
+            options.call_timeout,
             Arc::clone(&self.stats),
         );
         let common = Arc::new(Common {
@@ -325,6 +328,10 @@ where
                 .message_attribute_names("All")
                 .message_system_attribute_names(MessageSystemAttributeName::All)
                 .send();
+            let receive = call::bounded(
+                options.wait_time.saturating_add(options.call_timeout),
+                receive,
+            );
             let mut receive = std::pin::pin!(receive);
             let mut stopping = false;
             let received = tokio::select! {
@@ -348,24 +355,18 @@ where
                         .collect();
                     RunnerStats::count(&common.stats.received, m::RECEIVED, messages.len() as u64);
                     if stopping {
-                        worker::release(
-                            &common.client,
-                            &common.queue_url,
-                            &common.stats,
-                            &messages,
-                            0,
-                        )
-                        .await;
+                        common.release(&messages, 0).await;
                         return Ok(());
                     }
                     self.dispatch::<T>(messages, held);
                 }
+                Err(CallError::Sqs(gone))
+                    if matches!(*gone, aws_sdk_sqs::Error::QueueDoesNotExist(_)) =>
+                {
+                    tracing::error!(error = %gone, "the queue is gone: draining and stopping");
+                    return Err(RunnerError::sqs("receiving messages", *gone));
+                }
                 Err(e) => {
-                    let e = aws_sdk_sqs::Error::from(e);
-                    if matches!(e, aws_sdk_sqs::Error::QueueDoesNotExist(_)) {
-                        tracing::error!(error = %e, "the queue is gone: draining and stopping");
-                        return Err(RunnerError::sqs("receiving messages", e));
-                    }
                     RunnerStats::count(&common.stats.receive_errors, m::RECEIVE_ERRORS, 1);
                     tracing::warn!(error = %e, retry_in = ?backoff, "ReceiveMessage failed");
                     if stopping {
@@ -528,7 +529,7 @@ where
             // No more extensions: they would undo the release.
             waiting.stop_at(msgs.len()).await;
             if !rest.is_empty() {
-                worker::release(&self.client, &self.queue_url, &self.stats, rest, visibility).await;
+                self.release(rest, visibility).await;
             }
             return;
         }
@@ -545,15 +546,8 @@ where
             let _extending = group.extending.lock().await;
             let waiting = &group.msgs[group.next.load(Ordering::SeqCst).min(group.msgs.len())..];
             if !waiting.is_empty() {
-                worker::set_visibility(
-                    &self.client,
-                    &self.queue_url,
-                    &self.stats,
-                    waiting,
-                    visibility,
-                    worker::Change::Extend,
-                )
-                .await;
+                self.set_visibility(waiting, visibility, worker::Change::Extend)
+                    .await;
             }
         }
     }

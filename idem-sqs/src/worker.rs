@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::ChangeMessageVisibilityBatchRequestEntry;
-use idem_executor::broker::{self, DeadLetterInfo, Execution, Step, outcome_name};
+use idem_executor::broker::{self, DeadLetterInfo, Execution, Fit, Step, outcome_name};
 use idem_executor::{BrokerAction, Codec, Handler, Outcome, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::call::{self, CallError};
 use crate::dead_letter::{self, DeadLetterQueue};
 use crate::deleter::Deleter;
 use crate::message::SqsMessage;
@@ -37,6 +38,12 @@ pub(crate) struct Common<H, C, R> {
     /// ([`Execution::try_once`]).
     pub(crate) lost: CancellationToken,
 }
+
+/// Whether the visibility of a message is still extended: `false` once its final change is made
+/// (a retry's or a release's). The lock is held while an extension is in flight, so that the
+/// final change waits for it and no extension lands after it: SQS keeps whichever change
+/// reaches it last, and an extension after a retry's would undo the retry delay.
+type Extending = tokio::sync::Mutex<bool>;
 
 /// How a message ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,10 +73,11 @@ where
         R::Returns<T>: Send,
         T: Serialize + DeserializeOwned + Send + 'static,
     {
+        let extending = Extending::new(true);
         tokio::select! {
             biased;
-            done = self.resolve::<T>(msg) => done,
-            never = self.keep_visible(msg, waited) => match never {},
+            done = self.resolve::<T>(msg, &extending) => done,
+            never = self.keep_visible(msg, waited, &extending) => match never {},
         }
     }
 
@@ -77,8 +85,13 @@ where
     /// whole processing of the message: the acquire, the handler under its lease, the
     /// completion, the dead-letter send, the delete). A failed extension is logged and counted;
     /// the next one comes at the next interval, before the visibility runs out (the interval is
-    /// at most half the visibility timeout).
-    async fn keep_visible(&self, msg: &SqsMessage, at_once: bool) -> Infallible {
+    /// at most half the visibility timeout). None once the final change is made (`extending`).
+    async fn keep_visible(
+        &self,
+        msg: &SqsMessage,
+        at_once: bool,
+        extending: &Extending,
+    ) -> Infallible {
         let visibility = seconds_up(self.options.visibility_timeout);
         let mut next = Instant::now()
             + if at_once {
@@ -89,14 +102,13 @@ where
         loop {
             tokio::time::sleep_until(next).await;
             next += self.extend_every;
-            let sent = self
-                .client
-                .change_message_visibility()
-                .queue_url(&*self.queue_url)
-                .receipt_handle(msg.receipt_handle())
-                .visibility_timeout(visibility)
-                .send()
-                .await;
+            let extending = extending.lock().await;
+            if !*extending {
+                // Its final change is made: it is polled until that change returns.
+                return std::future::pending().await;
+            }
+            let sent = self.change_visibility(msg, visibility).await;
+            drop(extending);
             match sent {
                 Ok(_) => RunnerStats::count(
                     &self.stats.visibility_extensions,
@@ -105,14 +117,28 @@ where
                 ),
                 Err(e) => {
                     RunnerStats::count(&self.stats.visibility_failures, m::VISIBILITY_FAILURES, 1);
-                    tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "visibility extension failed; trying again at the next interval");
+                    tracing::warn!(error = %e, "visibility extension failed; trying again at the next interval");
                 }
             }
         }
     }
 
+    /// One `ChangeMessageVisibility` of `msg` to `seconds`.
+    async fn change_visibility(&self, msg: &SqsMessage, seconds: i32) -> Result<(), CallError> {
+        let change = self
+            .client
+            .change_message_visibility()
+            .queue_url(&*self.queue_url)
+            .receipt_handle(msg.receipt_handle())
+            .visibility_timeout(seconds)
+            .send();
+        call::bounded(self.options.call_timeout, change)
+            .await
+            .map(|_| ())
+    }
+
     /// The executor call and what follows from its broker action.
-    async fn resolve<T>(&self, msg: &SqsMessage) -> Done
+    async fn resolve<T>(&self, msg: &SqsMessage, extending: &Extending) -> Done
     where
         H: Handler<SqsMessage, R::Returns<T>>,
         R::Returns<T>: Send,
@@ -130,14 +156,9 @@ where
                 }
                 RunnerStats::count(&self.stats.abandoned, m::ABANDONED, 1);
                 // Nothing recorded for this call: the message may come back at once.
-                release(
-                    &self.client,
-                    &self.queue_url,
-                    &self.stats,
-                    std::slice::from_ref(msg),
-                    0,
-                )
-                .await;
+                let mut extending = extending.lock().await;
+                *extending = false;
+                self.release(std::slice::from_ref(msg), 0).await;
                 return Done::Retried { visibility: 0 };
             }
         };
@@ -164,11 +185,13 @@ where
             BrokerAction::Retry { after } => {
                 tracing::debug!(outcome = outcome_name(&result), hint = ?after, "not resolved: received again later");
                 Done::Retried {
-                    visibility: self.retry(msg, after).await,
+                    visibility: self.retry(msg, after, extending).await,
                 }
             }
             _ => Done::Retried {
-                visibility: self.retry(msg, self.options.min_retry_delay).await,
+                visibility: self
+                    .retry(msg, self.options.min_retry_delay, extending)
+                    .await,
             },
         }
     }
@@ -179,22 +202,16 @@ where
         }
     }
 
-    /// Makes `msg` visible again after `after` (clamped to the retry delays, whole seconds);
-    /// returns the seconds set.
-    async fn retry(&self, msg: &SqsMessage, after: Duration) -> i32 {
+    /// Makes `msg` visible again after `after` (clamped to the retry delays, whole seconds),
+    /// after any extension in flight and with none after it; returns the seconds set.
+    async fn retry(&self, msg: &SqsMessage, after: Duration, extending: &Extending) -> i32 {
         RunnerStats::count(&self.stats.retries, m::RETRIES, 1);
         let secs = self.options.retry_visibility(after);
-        let sent = self
-            .client
-            .change_message_visibility()
-            .queue_url(&*self.queue_url)
-            .receipt_handle(msg.receipt_handle())
-            .visibility_timeout(secs)
-            .send()
-            .await;
-        if let Err(e) = sent {
+        let mut extending = extending.lock().await;
+        *extending = false;
+        if let Err(e) = self.change_visibility(msg, secs).await {
             RunnerStats::count(&self.stats.visibility_failures, m::VISIBILITY_FAILURES, 1);
-            tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "could not set the retry visibility: the message comes back when its current visibility passes");
+            tracing::warn!(error = %e, "could not set the retry visibility: the message comes back when its current visibility passes");
         }
         secs
     }
@@ -209,12 +226,18 @@ where
             .execution
             .dead_letter_attempts(info, key_id.as_deref())
             .await;
-        let mut attributes = dead_letter::attributes(msg, info, attempts, key_id.as_deref(), true);
-        let mut originals_kept = msg.attributes().is_some_and(|a| !a.is_empty());
+        let mut fit = if msg.attributes().is_some_and(|a| !a.is_empty()) {
+            Fit::Whole
+        } else {
+            Fit::WithoutOriginals
+        };
+        let attributes_for =
+            |fit| dead_letter::attributes(msg, info, attempts, key_id.as_deref(), fit);
+        let mut attributes = attributes_for(fit);
         loop {
             match self
                 .dead_letter
-                .send(&self.client, msg, attributes.clone())
+                .send(&self.client, &self.options, msg, attributes.clone())
                 .await
             {
                 Ok(()) => {
@@ -231,11 +254,14 @@ where
                     );
                     return;
                 }
-                Err(e) if originals_kept && dead_letter::refused_as_invalid(&e) => {
-                    tracing::warn!(error = %e, "the dead-letter queue refused the message with its original attributes: sending it with the runner's only, naming the others");
-                    attributes =
-                        dead_letter::attributes(msg, info, attempts, key_id.as_deref(), false);
-                    originals_kept = false;
+                Err(e) if dead_letter::refused_as_invalid(&e) && fit.smaller().is_some() => {
+                    fit = fit.smaller().unwrap_or(fit);
+                    if fit == Fit::Compact {
+                        tracing::warn!(error = %e, "the dead-letter queue refused the message with the runner's attributes: sending it with the error, the key and the dropped names cut short");
+                    } else {
+                        tracing::warn!(error = %e, "the dead-letter queue refused the message with its original attributes: sending it with the runner's only, naming the others");
+                    }
+                    attributes = attributes_for(fit);
                 }
                 Err(e) => {
                     RunnerStats::count(
@@ -251,100 +277,89 @@ where
     }
 }
 
-/// Makes `messages` visible again after `visibility` seconds, unprocessed (the rest of a FIFO
-/// group behind a retry, the rest of a group at shutdown, or what a receive returned after the
-/// shutdown began).
-pub(crate) async fn release(
-    client: &Client,
-    queue_url: &str,
-    stats: &RunnerStats,
-    messages: &[SqsMessage],
-    visibility: i32,
-) {
-    set_visibility(
-        client,
-        queue_url,
-        stats,
-        messages,
-        visibility,
-        Change::Release,
-    )
-    .await;
-}
-
-/// Why [`set_visibility`] changes messages' visibility.
+/// Why [`Common::set_visibility`] changes messages' visibility.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Change {
-    /// Given back unprocessed ([`release`]).
+    /// Given back unprocessed ([`Common::release`]).
     Release,
     /// Kept invisible while they wait in process (messages of a FIFO group waiting for the
     /// messages before them).
     Extend,
 }
 
-/// Sets the visibility of `messages` to `visibility` seconds, ten per request.
-pub(crate) async fn set_visibility(
-    client: &Client,
-    queue_url: &str,
-    stats: &RunnerStats,
-    messages: &[SqsMessage],
-    visibility: i32,
-    change: Change,
-) {
-    let failed_to = match change {
-        Change::Release => {
-            "could not make messages visible again: they come back when their visibility passes"
-        }
-        Change::Extend => {
-            "could not extend the visibility of messages waiting for their FIFO group; trying again at the next interval"
-        }
-    };
-    for chunk in messages.chunks(MAX_BATCH) {
-        let entries: Vec<ChangeMessageVisibilityBatchRequestEntry> = chunk
-            .iter()
-            .enumerate()
-            .map(|(i, msg)| {
-                ChangeMessageVisibilityBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .receipt_handle(msg.receipt_handle())
-                    .visibility_timeout(visibility)
-                    .build()
-                    .expect("id and receipt handle are set")
-            })
-            .collect();
-        let sent = client
-            .change_message_visibility_batch()
-            .queue_url(queue_url)
-            .set_entries(Some(entries))
-            .send()
+impl<H, C, R> Common<H, C, R> {
+    /// Makes `messages` visible again after `visibility` seconds, unprocessed (the rest of a FIFO
+    /// group behind a retry, the rest of a group at shutdown, or what a receive returned after the
+    /// shutdown began).
+    pub(crate) async fn release(&self, messages: &[SqsMessage], visibility: i32) {
+        self.set_visibility(messages, visibility, Change::Release)
             .await;
-        match sent {
-            Ok(out) => {
-                let done = out.successful().len() as u64;
-                match change {
-                    Change::Release => RunnerStats::add(&stats.released, done),
-                    Change::Extend => RunnerStats::count(
-                        &stats.visibility_extensions,
-                        m::VISIBILITY_EXTENSIONS,
-                        done,
-                    ),
+    }
+
+    /// Sets the visibility of `messages` to `visibility` seconds, ten per request.
+    pub(crate) async fn set_visibility(
+        &self,
+        messages: &[SqsMessage],
+        visibility: i32,
+        change: Change,
+    ) {
+        let stats = &*self.stats;
+        let failed_to = match change {
+            Change::Release => {
+                "could not make messages visible again: they come back when their visibility passes"
+            }
+            Change::Extend => {
+                "could not extend the visibility of messages waiting for their FIFO group; trying again at the next interval"
+            }
+        };
+        for chunk in messages.chunks(MAX_BATCH) {
+            let entries: Vec<ChangeMessageVisibilityBatchRequestEntry> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, msg)| {
+                    ChangeMessageVisibilityBatchRequestEntry::builder()
+                        .id(i.to_string())
+                        .receipt_handle(msg.receipt_handle())
+                        .visibility_timeout(visibility)
+                        .build()
+                        .expect("id and receipt handle are set")
+                })
+                .collect();
+            let request = self
+                .client
+                .change_message_visibility_batch()
+                .queue_url(&*self.queue_url)
+                .set_entries(Some(entries))
+                .send();
+            let sent = call::bounded(self.options.call_timeout, request).await;
+            match sent {
+                Ok(out) => {
+                    let done = out.successful().len() as u64;
+                    match change {
+                        Change::Release => RunnerStats::add(&stats.released, done),
+                        Change::Extend => RunnerStats::count(
+                            &stats.visibility_extensions,
+                            m::VISIBILITY_EXTENSIONS,
+                            done,
+                        ),
+                    }
+                    if !out.failed().is_empty() {
+                        RunnerStats::count(
+                            &stats.visibility_failures,
+                            m::VISIBILITY_FAILURES,
+                            out.failed().len() as u64,
+                        );
+                        tracing::warn!(failed = out.failed().len(), "{failed_to}");
+                    }
                 }
-                if !out.failed().is_empty() {
+                Err(e) => {
                     RunnerStats::count(
                         &stats.visibility_failures,
                         m::VISIBILITY_FAILURES,
-                        out.failed().len() as u64,
+                        chunk.len() as u64,
                     );
-                    tracing::warn!(failed = out.failed().len(), "{failed_to}");
+                    tracing::warn!(error = %e, "{failed_to}");
                 }
-            }
-            Err(e) => {
-                RunnerStats::count(
-                    &stats.visibility_failures,
-                    m::VISIBILITY_FAILURES,
-                    chunk.len() as u64,
-                );
-                tracing::warn!(error = %aws_sdk_sqs::Error::from(e), "{failed_to}");
             }
         }
     }

@@ -63,6 +63,17 @@ where
         .options(options)
         .build()
         .expect("runner");
+    start_with(runner)
+}
+
+/// Runs `runner` in the background.
+fn start_with<H, T, R>(runner: SqsRunner<H, T, JsonCodec, R>) -> Running
+where
+    R: Recorder,
+    H: Handler<SqsMessage, R::Returns<T>>,
+    R::Returns<T>: Send,
+    T: serde::Serialize + serde::de::DeserializeOwned + Send + 'static,
+{
     let stats = runner.stats();
     let stop = CancellationToken::new();
     let shutdown = stop.clone();
@@ -201,9 +212,11 @@ async fn acknowledges_replays_and_dead_letters_with_reasons() {
 
 /// A message near the size limit (1 MiB on LocalStack; attributes count towards it) is
 /// dead-lettered: refused with its original attributes plus the runner's, it is sent again with
-/// the runner's only, naming the others. Before, the send was refused every second, forever.
+/// the runner's only, naming the others; refused again (a body closer to the limit, a long
+/// error), with the error, the key and those names cut to 256 bytes. Before, the send was
+/// refused every second, forever, holding its message and its slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_letter_refused_as_too_large_goes_without_the_original_attributes() {
+async fn a_dead_letter_refused_as_too_large_goes_without_the_original_attributes_then_cut_short() {
     if !localstack() {
         return;
     }
@@ -211,8 +224,13 @@ async fn a_dead_letter_refused_as_too_large_goes_without_the_original_attributes
     let sqs = client();
     let queue = queue(&sqs, "idem-runner-large", false).await;
     let dlq = common::queue(&sqs, "idem-runner-large-dlq", false).await;
-    let handler = |_msg: SqsMessage, _ctx: HandlerContext| async {
-        Err::<(), _>(HandlerError::terminal("malformed amount"))
+    // "bigger" fails with an error longer than the 4,096 bytes a dead letter carries.
+    let handler = |_msg: SqsMessage, ctx: HandlerContext| async move {
+        let error = match key_of(&ctx).as_str() {
+            "bigger" => "e".repeat(6_000),
+            _ => "malformed amount".to_owned(),
+        };
+        Err::<(), _>(HandlerError::terminal(error))
     };
     let executor = Executor::new(Arc::new(MemoryStore::new()), config("large")).unwrap();
     let running = start(executor, &queue, &dlq, options(), handler);
@@ -220,28 +238,98 @@ async fn a_dead_letter_refused_as_too_large_goes_without_the_original_attributes
     let body = "x".repeat(1_040_000);
     // The original fits with 90 bytes to spare; the runner's attributes take about 180.
     let blob = "y".repeat(8_450);
+    // LocalStack's limit is 1 MiB (1,048,576 bytes). With its 4,096-byte error the runner's
+    // attributes take about 4,300 bytes, so this one is over the limit with or without its own
+    // attribute; with the error cut to 256 bytes it fits.
+    let bigger = "z".repeat(1_046_000);
+    // One call each: a batch is bounded by the same limit.
     send(
         &sqs,
         &queue,
         &[Out::keyed("big", body.as_str()).attr("blob", &blob)],
     )
     .await;
+    send(&sqs, &queue, &[Out::keyed("bigger", bigger.as_str())]).await;
     let resolved = wait_for(Duration::from_secs(30), || async {
-        stats.dead_lettered() == 1
+        stats.dead_lettered() == 2
     })
     .await;
     assert!(resolved, "{stats:?}");
     assert_eq!(stats.dead_letter_failures(), 0, "{stats:?}");
     stop(running).await;
 
-    let dead: Vec<In> = read_out(&sqs, &dlq, Duration::from_secs(1)).await;
-    assert_eq!(dead.len(), 1);
+    let mut dead: Vec<In> = read_out(&sqs, &dlq, Duration::from_secs(1)).await;
+    assert_eq!(dead.len(), 2);
+    dead.sort_by_key(|d| d.body.len());
     let d = &dead[0];
     assert_eq!(d.body.len(), body.len(), "the body whole");
     assert_eq!(d.attributes[ATTR_REASON], "failed");
     assert_eq!(d.attributes[ATTR_KEY], "big");
     assert_eq!(d.attributes[idem_sqs::ATTR_DROPPED], "blob,idempotency-key");
     assert!(!d.attributes.contains_key("blob"));
+    assert_eq!(d.attributes[ATTR_ERROR], "malformed amount");
+
+    let d = &dead[1];
+    assert_eq!(d.body, bigger, "the body whole");
+    assert_eq!(d.attributes[ATTR_REASON], "failed");
+    assert_eq!(d.attributes[ATTR_KEY], "bigger");
+    assert_eq!(d.attributes[idem_sqs::ATTR_DROPPED], "idempotency-key");
+    let error = &d.attributes[ATTR_ERROR];
+    assert!(
+        error.len() <= idem_sqs::COMPACT_TEXT && error.starts_with("eee") && error.ends_with('…'),
+        "the error cut short: {} bytes",
+        error.len()
+    );
+    assert_eq!(counts(&sqs, &queue).await, (0, 0));
+}
+
+/// An SQS call that never answers (the SDK bounds none unless the client's config says so) times
+/// out after `call_timeout`, and the runner goes on once SQS answers again. Before, the receive
+/// in flight never returned and the runner received nothing more, logging nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_sqs_never_answers_time_out_and_the_runner_goes_on() {
+    if !localstack() {
+        return;
+    }
+    init_tracing();
+    let sqs = client();
+    let queue = queue(&sqs, "idem-hang", false).await;
+    let dlq = common::queue(&sqs, "idem-hang-dlq", false).await;
+    let proxy = HangingProxy::start(&endpoint()).await;
+    let handler = |_msg: SqsMessage, ctx: HandlerContext| async move { Ok(key_of(&ctx)) };
+    let executor = Executor::new(Arc::new(MemoryStore::new()), config("hang")).unwrap();
+    let runner = SqsRunner::builder(client_at(proxy.url()), &queue, executor, handler)
+        .dead_letter_queue(&dlq)
+        .options(options().with_call_timeout(Duration::from_secs(1)))
+        .build()
+        .expect("runner");
+    let running = start_with(runner);
+    let stats = Arc::clone(&running.1);
+
+    send(&sqs, &queue, &[Out::keyed("k-before", "{}")]).await;
+    let first = wait_for(Duration::from_secs(20), || async {
+        stats.executed() == 1 && stats.deleted() == 1
+    })
+    .await;
+    assert!(first, "{stats:?}");
+
+    proxy.hang(true);
+    let errors = stats.receive_errors();
+    // A receive waits 1 s for messages and 1 s more for the answer.
+    let timed_out = wait_for(Duration::from_secs(15), || async {
+        stats.receive_errors() > errors
+    })
+    .await;
+    assert!(timed_out, "the hung receive never returned: {stats:?}");
+
+    proxy.hang(false);
+    send(&sqs, &queue, &[Out::keyed("k-after", "{}")]).await;
+    let second = wait_for(Duration::from_secs(30), || async {
+        stats.executed() == 2 && stats.deleted() == 2
+    })
+    .await;
+    assert!(second, "the runner did not go on: {stats:?}");
+    stop(running).await;
     assert_eq!(counts(&sqs, &queue).await, (0, 0));
 }
 

@@ -62,9 +62,14 @@ pub fn init_tracing() {
 
 /// An SQS client on LocalStack (any credentials do).
 pub fn client() -> Client {
+    client_at(&endpoint())
+}
+
+/// An SQS client on `endpoint` (LocalStack, or a [`HangingProxy`] in front of it).
+pub fn client_at(endpoint: &str) -> Client {
     let config = aws_sdk_sqs::Config::builder()
         .behavior_version(BehaviorVersion::latest())
-        .endpoint_url(endpoint())
+        .endpoint_url(endpoint)
         .region(Region::new("us-east-1"))
         .credentials_provider(Credentials::new(
             "idemtest",
@@ -293,5 +298,73 @@ where
             return false;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A TCP proxy in front of LocalStack that can stop answering: once [`hang`](Self::hang)ed it
+/// holds the connections it carries and every new one, forwarding nothing, as a server or a
+/// network that stopped answering would. Answering again, it closes the connections it held
+/// (a client's pool then opens new ones) and forwards as before.
+pub struct HangingProxy {
+    url: String,
+    hung: Arc<tokio::sync::watch::Sender<bool>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl HangingProxy {
+    /// A proxy to `upstream` (`http://host:port`) on a free loopback port.
+    pub async fn start(upstream: &str) -> Self {
+        let upstream = upstream
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_owned();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a loopback port");
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let hung = Arc::new(tokio::sync::watch::Sender::new(false));
+        let carried = Arc::clone(&hung);
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let mut hung = carried.subscribe();
+                let upstream = upstream.clone();
+                tokio::spawn(async move {
+                    // Held while hung, closed once it answers again.
+                    if *hung.borrow_and_update() {
+                        let _ = hung.wait_for(|h| !*h).await;
+                        return;
+                    }
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    // (The watch's guard is not held past the select: the setter would wait on it.)
+                    let held = tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => false,
+                        now = hung.wait_for(|h| *h) => now.is_ok(),
+                    };
+                    if held {
+                        let _ = hung.wait_for(|h| !*h).await;
+                    }
+                });
+            }
+        });
+        Self { url, hung, accept }
+    }
+
+    /// The proxy's endpoint, for [`client_at`].
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Stops answering (`true`) or answers again (`false`).
+    pub fn hang(&self, hung: bool) {
+        self.hung.send_replace(hung);
+    }
+}
+
+impl Drop for HangingProxy {
+    fn drop(&mut self) {
+        self.hang(false);
+        self.accept.abort();
     }
 }
