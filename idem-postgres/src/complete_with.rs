@@ -460,11 +460,29 @@ fn refused_at_commit(e: tokio_postgres::Error, writes: &PgWrites) -> Error {
     }
 }
 
-/// A handler's statement the server would not prepare: a statement that can never run is
-/// invalid input (SQLSTATE class `42`, syntax or access rule, and `0A`, not supported); the
+/// A handler's statement the server would not prepare.
+///
+/// A table or schema it names that does not exist (`42P01` undefined table, which PostgreSQL
+/// also answers for `schema.table` in a missing schema; `3F000` invalid schema name) is
+/// [`Error::NotSetUp`]: the database is not set up for the handler yet (a consumer deployed
+/// before the migration that creates its table), so the message is retried and goes through
+/// once the table exists, as on DynamoDB. Any other statement that can never run is invalid
+/// input (the rest of SQLSTATE class `42`, syntax or access rule, and `0A`, not supported); the
 /// rest (a lost connection, ...) as any store error.
 fn refused_at_prepare(index: usize, e: tokio_postgres::Error) -> Error {
     match e.as_db_error() {
+        Some(db)
+            if [SqlState::UNDEFINED_TABLE, SqlState::INVALID_SCHEMA_NAME].contains(db.code()) =>
+        {
+            Error::not_set_up(
+                STORE,
+                format!(
+                    "a table or schema that statement {index} of the handler's writes names: {}",
+                    describe(db)
+                ),
+                "create it (run the migration that does), or correct the name in the writes",
+            )
+        }
         Some(db) if matches!(&db.code().code()[..2], "42" | "0A") => invalid(format!(
             "statement {index} does not prepare: {}",
             describe(db)

@@ -66,9 +66,16 @@ pub fn param<T: ToSql + Send + Sync + 'static>(value: T) -> PgParam {
 /// CONSTRAINTS`; `RESET`, `PREPARE`, `DEALLOCATE`, `DISCARD`, `LISTEN`, `UNLISTEN`, `LOAD`),
 /// [`expect_rows`](Self::expect_rows) before any statement; and, once the texts
 /// are prepared (before the transaction starts), a text the server refuses to prepare (a syntax
-/// error, an unknown table or column, a missing privilege: SQLSTATE class `42`, or `0A`), a
+/// error, an unknown column or function, a missing privilege: SQLSTATE class `42`, or `0A`), a
 /// parameter count other than the statement's, or a value of a type the statement's parameter
 /// does not take.
+///
+/// A statement naming a table or schema that does not exist (SQLSTATE `42P01`, which a table in
+/// a missing schema also gives, or `3F000`) is [`Error::NotSetUp`] instead, naming the statement
+/// and, in the server's message, the table: the database is not set up for the handler yet (a
+/// consumer deployed before the migration that creates its table), so the message is retried
+/// and goes through once the table exists, as on DynamoDB. Nothing is written and the record
+/// stays in progress.
 ///
 /// In the transaction, [`Error::EffectRefused`] with the statement's index (nothing is
 /// written, the record stays in progress): a statement whose [`expect_rows`](Self::expect_rows)

@@ -460,10 +460,16 @@ async fn bad_writes_are_invalid_input_and_write_nothing() {
             ok().execute("INSERT INTO nowhere VALUE ($1)", [1i64]),
             "42601",
         ),
+        // (An unknown table or schema is `NotSetUp`: see the next test.)
         (
-            "unknown table",
-            ok().execute("DELETE FROM no_such_table_here", ()),
-            "42P01",
+            "unknown column",
+            ok().execute(format!("UPDATE {} SET no_such_column = 1", t.ledger), ()),
+            "42703",
+        ),
+        (
+            "unknown function",
+            ok().execute("SELECT no_such_function_here()", ()),
+            "42883",
         ),
         (
             "two statements in one text",
@@ -498,6 +504,96 @@ async fn bad_writes_are_invalid_input_and_write_nothing() {
         .await
         .unwrap();
     assert_eq!(t.entries(&admin).await, ["e"]);
+}
+
+/// A statement naming a table or schema that does not exist (a consumer deployed before the
+/// migration that creates its table) is `NotSetUp`, not invalid input: nothing is written, the
+/// record stays in progress, and the same writes go through once the table exists.
+#[tokio::test]
+async fn a_missing_table_or_schema_is_not_set_up_and_writes_nothing() {
+    let Some(store) =
+        common::store_with(common::config(common::run_schema()).with_pool_size(1)).await
+    else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let lease = acquire(
+        &store,
+        &AcquireRequest::new(ns().key("later").unwrap(), "w"),
+    )
+    .await;
+    let suffix = format!("{:08x}", rand::random::<u32>());
+    let schema = common::run_schema();
+    let later = format!("later_{suffix}");
+    let missing_schema = format!("no_schema_{suffix}");
+    let ok = || PgWrites::new().execute(t.insert(), ("e", 5i64, "alice", 0i64));
+    let into_later = format!("INSERT INTO \"{schema}\".\"{later}\" (token) VALUES ($1)");
+    let cases: Vec<(&str, PgWrites, &str, &str)> = vec![
+        (
+            "missing table",
+            ok().execute(into_later.clone(), [1i64]),
+            &later,
+            "42P01",
+        ),
+        // PostgreSQL answers 42P01 for a table in a missing schema too.
+        (
+            "missing schema",
+            ok().execute(
+                format!("INSERT INTO \"{missing_schema}\".\"ledger\" (token) VALUES ($1)"),
+                [1i64],
+            ),
+            &missing_schema,
+            "42P01",
+        ),
+        (
+            "function in a missing schema",
+            ok().execute(format!("SELECT \"{missing_schema}\".f($1)"), [1i64]),
+            &missing_schema,
+            "3F000",
+        ),
+    ];
+    for (name, writes, names, code) in cases {
+        let r = store
+            .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, writes)
+            .await;
+        match &r {
+            Err(e @ Error::NotSetUp { missing, .. }) => {
+                assert!(missing.contains(names), "{name}: {e}");
+                assert!(missing.contains("statement 1"), "{name}: {e}");
+                assert!(missing.contains(code), "{name}: {e}");
+            }
+            other => panic!("{name}: expected NotSetUp, got {other:?}"),
+        }
+        assert_eq!(t.entries(&admin).await, Vec::<String>::new(), "{name}");
+        in_progress(&store, &lease).await;
+    }
+    // The migration runs: the same writes now commit with the completion.
+    admin
+        .batch_execute(&format!(
+            "CREATE TABLE \"{schema}\".\"{later}\" (token bigint)"
+        ))
+        .await
+        .unwrap();
+    store
+        .complete_with(
+            &lease,
+            Bytes::from_static(b"x"),
+            RETENTION,
+            ok().execute(into_later, [1i64]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(t.entries(&admin).await, ["e"]);
+    let rows: i64 = admin
+        .query_one(
+            &format!("SELECT count(*) FROM \"{schema}\".\"{later}\""),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 1);
 }
 
 /// Lock and statement timeouts (and, the same way, serialization failures and deadlocks) are
