@@ -30,8 +30,10 @@ pub const ATTR_ATTEMPTS: &str = broker::HEADER_ATTEMPTS;
 pub const ATTR_KEY: &str = broker::HEADER_KEY;
 /// Attribute with the SQS message id of the original message.
 pub const ATTR_SOURCE_MESSAGE_ID: &str = "idem-dlq-source-message-id";
-/// Attribute listing (comma-separated) the original message attributes that did not fit:
-/// SQS takes at most [`MAX_ATTRIBUTES`] attributes per message, and the runner's own come first.
+/// Attribute listing (comma-separated, by name) the original message attributes that did not
+/// fit: SQS takes at most [`MAX_ATTRIBUTES`] attributes per message, and the runner's own come
+/// first. It also names the original attributes the runner's replaced (those of the same name,
+/// as a dead letter dead-lettered again carries).
 /// It names them all when the dead-letter queue refused the message with them as invalid (a
 /// body near the size limit, whose attributes count towards it); refused again without them,
 /// the message goes with this list, [`ATTR_ERROR`] and [`ATTR_KEY`] cut to [`COMPACT_TEXT`]
@@ -93,29 +95,33 @@ pub(crate) fn attributes(
     if !msg.message_id().is_empty() {
         out.insert(ATTR_SOURCE_MESSAGE_ID.to_owned(), string(msg.message_id()));
     }
-    let mut original: Vec<(&String, &MessageAttributeValue)> = msg
+    // Original attributes of the runner's names (a dead letter dead-lettered again) are replaced
+    // by the runner's, and named as dropped.
+    let (mut original, replaced): (Vec<_>, Vec<_>) = msg
         .attributes()
-        .map(|a| {
-            a.iter()
-                .filter(|(name, _)| !out.contains_key(*name))
-                .collect()
-        })
-        .unwrap_or_default();
+        .into_iter()
+        .flatten()
+        .partition(|(name, _)| !out.contains_key(*name) && *name != ATTR_DROPPED);
     original.sort_by(|a, b| a.0.cmp(b.0));
     let room = MAX_ATTRIBUTES - out.len();
     let kept = match original.len() {
         _ if !fit.keeps_originals() => 0,
-        n if n <= room => n,
+        n if n <= room && replaced.is_empty() => n,
         // The last place names the rest.
-        _ => room - 1,
+        n => n.min(room - 1),
     };
     out.extend(
         original[..kept]
             .iter()
             .map(|(k, v)| (String::clone(k), MessageAttributeValue::clone(v))),
     );
-    if kept < original.len() {
-        let dropped: Vec<&str> = original[kept..].iter().map(|(k, _)| k.as_str()).collect();
+    let mut dropped: Vec<&str> = original[kept..]
+        .iter()
+        .chain(&replaced)
+        .map(|(k, _)| k.as_str())
+        .collect();
+    if !dropped.is_empty() {
+        dropped.sort_unstable();
         out.insert(ATTR_DROPPED.to_owned(), text(&dropped.join(",")));
     }
     out
@@ -225,6 +231,29 @@ mod tests {
         assert_eq!(text(&attrs, ATTR_ATTEMPTS).as_deref(), Some("unknown"));
         assert_eq!(text(&attrs, "idempotency-key").as_deref(), Some("tx-2"));
         assert!(!attrs.contains_key(ATTR_DROPPED) && !attrs.contains_key(ATTR_KEY));
+    }
+
+    #[test]
+    fn original_attributes_of_the_runners_names_are_replaced_and_named() {
+        let received = Received::builder()
+            .message_id("m-3")
+            .message_attributes(ATTR_REASON, string("exhausted"))
+            .message_attributes(ATTR_DROPPED, string("x"))
+            .message_attributes("trace", string("t-1"))
+            .build();
+        let msg = SqsMessage::new(received, "http://q");
+        let info = DeadLetterInfo {
+            reason: DeadLetterReason::Failed,
+            error: "bad".into(),
+            attempts: Some(1),
+        };
+        let attrs = attributes(&msg, &info, Some(1), Some("k"), Fit::Whole);
+        assert_eq!(text(&attrs, ATTR_REASON).as_deref(), Some("failed"));
+        assert_eq!(text(&attrs, "trace").as_deref(), Some("t-1"));
+        assert_eq!(
+            text(&attrs, ATTR_DROPPED).as_deref(),
+            Some("idem-dlq-dropped-attributes,idem-dlq-reason")
+        );
     }
 
     #[test]
