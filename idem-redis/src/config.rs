@@ -26,7 +26,10 @@ pub const DEFAULT_PREFIX: &str = "idem:";
 pub struct RedisConfig {
     /// Prepended to every storage key: a record lives under `{prefix}{namespace}:{id}`.
     /// Default [`DEFAULT_PREFIX`] (`idem:`). A prefix holding a hash tag (`{idem}:`) puts every
-    /// record into one Redis Cluster slot: only do that on purpose.
+    /// record into one Redis Cluster slot, whatever tags the ids carry (Redis hashes a key by its
+    /// first tag): only do that on purpose. Under such a prefix
+    /// [`RedisStore::effect_key`](crate::RedisStore::effect_key) refuses to build keys, since
+    /// they would be shared by every record.
     pub prefix: String,
     /// How long one attempt to open a TCP (or TLS) connection may take. Default 1 s.
     pub connect_timeout: Duration,

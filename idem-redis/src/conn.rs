@@ -756,6 +756,9 @@ mod tests {
             map_error(STANDALONE, script),
             Error::Backend { .. }
         ));
+        // complete_with's refusal of a write the user's ACL denies (nothing written).
+        let denied = RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "denied"));
+        assert!(matches!(map_error(CLUSTER, denied), Error::Backend { .. }));
     }
 
     #[test]

@@ -423,6 +423,10 @@ impl RedisStore {
     /// prefix or the id), else the whole storage key. A key that starts with it is in the
     /// record's slot whatever follows. See [`effect_key`](Self::effect_key).
     ///
+    /// With a prefix holding a hash tag (`{idem}:`) that tag is every record's, whatever the id
+    /// (Redis hashes by the first tag of a key): this answers it, as it is the slot's, but
+    /// [`effect_key`](Self::effect_key) refuses to build keys under it.
+    ///
     /// ```
     /// # fn demo(store: &idem_redis::RedisStore) -> idem_core::Result<()> {
     /// use idem_core::Namespace;
@@ -464,10 +468,50 @@ impl RedisStore {
     /// give `effect_key(.., ":balance")` = `{alice}:balance`.
     ///
     /// # Errors
-    /// As [`hash_tag`](Self::hash_tag).
+    /// As [`hash_tag`](Self::hash_tag); and [`Error::InvalidInput`] (field `key`) when the
+    /// record's hash tag lies in the store's prefix (namespaces hold no braces), such as
+    /// `{idem}` under the prefix `{idem}:`: every record then has that tag, whatever its id, so
+    /// `effect_key(k, ":receipt")` would be the same key, `{idem}:receipt`, for every record
+    /// (and a key under the prefix, which [`complete_with`](TransactionalStore::complete_with)
+    /// refuses). Use a prefix without a hash tag, and put the tag in the ids of records that
+    /// must share data. Also refused: a key that would start with the prefix anyway (a prefix
+    /// that opens a `{` the id closes, such as `{idem:`), which `complete_with` would refuse.
     pub fn effect_key(&self, key: &IdempotencyKey, suffix: &str) -> Result<String> {
+        let storage_key = self.storage_key(key);
+        // `{prefix}{namespace}:{id}`: a tag whose closing brace comes before the id is the
+        // same for every record.
+        let id_start = storage_key.len() - key.id().len();
+        if let Some(span) = writes::hash_tag_span(&storage_key)
+            && span.end < id_start
+        {
+            return Err(Error::invalid(
+                "key",
+                format!(
+                    "the record's hash tag {{{}}} comes from the store's prefix {:?}, not from \
+                     the id, so every record has it and a key built from it would be one key \
+                     shared by every record; use a prefix without a hash tag, or, for records \
+                     that share data, put the tag in the id (such as {{alice}}:msg-1) under a \
+                     prefix without one",
+                    String::from_utf8_lossy(&storage_key[span]),
+                    self.inner.config.prefix,
+                ),
+            ));
+        }
         let mut out = self.hash_tag(key)?;
         out.push_str(suffix);
+        let prefix = &self.inner.config.prefix;
+        if !prefix.is_empty() && out.starts_with(prefix.as_str()) {
+            // A prefix that opens a tag the id closes (`{idem:`): the key is `{` then the
+            // storage key's head, under the prefix.
+            return Err(Error::invalid(
+                "key",
+                format!(
+                    "the key {out:?} built on the record's hash tag lies under the store's \
+                     prefix {prefix:?}, where records live, so complete_with would refuse it; \
+                     use a prefix without a hash tag or braces"
+                ),
+            ));
+        }
         Ok(out)
     }
 
@@ -659,8 +703,10 @@ impl TransactionalStore for RedisStore {
     /// reserved keys, argument ranges, and on a cluster the record's slot): any failing is
     /// [`Error::InvalidInput`] and nothing is sent. Then one `EVALSHA`: the fence of
     /// [`complete`](IdempotencyStore::complete) (`LeaseLost`, or `Ok` with nothing written for
-    /// a replay), the writes' conditions and type checks (`EffectRefused`), the writes and the
-    /// completion.
+    /// a replay), the check that the store's user may run every write and the completion
+    /// (ACLs: `Backend`, a `NOPERM` reply), the writes' conditions and type checks
+    /// (`EffectRefused`), the writes and the completion. No refusal writes anything; after an
+    /// ACL or effect refusal the record stays in progress under the lease.
     async fn complete_with(
         &self,
         lease: &Lease,

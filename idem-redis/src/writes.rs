@@ -2,6 +2,7 @@
 //! ([`TransactionalStore::complete_with`](idem_core::TransactionalStore::complete_with)).
 
 use std::borrow::Cow;
+use std::ops::Range;
 use std::time::Duration;
 
 use idem_core::{Error, MAX_RETENTION, Result};
@@ -54,6 +55,13 @@ pub const MAX_WRITES: usize = 100;
 /// Any write that would fail refuses the whole completion with [`Error::EffectRefused`] before
 /// the first write; the record stays in progress. The check is conservative: a key emptied by an
 /// earlier `hdel`/`srem`/`zrem` of the same list still counts as its old type.
+///
+/// **ACLs.** Redis checks ACLs command by command, inside a script too. So before the first
+/// write the script also checks (`redis.acl_check_cmd`, Redis 7.0+) that the store's user may
+/// run every write's command as it will run it, and the completion's own `SET` of the record; a
+/// denied one refuses the whole completion with [`Error::Backend`] (the server's reply begins
+/// with `NOPERM` and names the command and the write, counted from 1), nothing written, the
+/// record still in progress and the lease still able to complete.
 ///
 /// Checked before anything is sent ([`Error::InvalidInput`], field `writes`): at most
 /// [`MAX_WRITES`] writes; no key equal to the record's or starting with the store's prefix
@@ -422,12 +430,18 @@ fn invalid(reason: String) -> Error {
     Error::invalid("writes", reason)
 }
 
-/// The hash tag Redis Cluster hashes `key` by: the bytes between its first `{` and the first `}`
-/// after it, when there are any (Cluster specification, "Hash tags").
-pub(crate) fn hash_tag(key: &[u8]) -> Option<&[u8]> {
+/// Where the hash tag Redis Cluster hashes `key` by lies in it: the byte range between its first
+/// `{` and the first `}` after it, when that range is not empty (Cluster specification, "Hash
+/// tags"); the braces are the bytes just before and just after it.
+pub(crate) fn hash_tag_span(key: &[u8]) -> Option<Range<usize>> {
     let open = key.iter().position(|&b| b == b'{')?;
     let len = key[open + 1..].iter().position(|&b| b == b'}')?;
-    (len > 0).then(|| &key[open + 1..open + 1 + len])
+    (len > 0).then(|| open + 1..open + 1 + len)
+}
+
+/// The hash tag Redis Cluster hashes `key` by (see [`hash_tag_span`]).
+pub(crate) fn hash_tag(key: &[u8]) -> Option<&[u8]> {
+    hash_tag_span(key).map(|span| &key[span])
 }
 
 /// A `{tag}` that puts a key in the same Cluster slot as `storage_key`: its own hash tag when it
@@ -460,6 +474,10 @@ mod tests {
         assert_eq!(hash_tag(b"no tag"), None);
         assert_eq!(hash_tag(b"open{only"), None);
         assert_eq!(hash_tag(b"}{x}"), Some(&b"x"[..]));
+        assert_eq!(hash_tag_span(b"{idem}:payments:order-42"), Some(1..5));
+        assert_eq!(hash_tag_span(b"idem:payments:{alice}:m"), Some(15..20));
+        assert_eq!(hash_tag_span(b"foo{}{bar}"), None);
+        assert_eq!(hash_tag_span(b"foo{{bar}}zap"), Some(4..8));
     }
 
     /// Whatever the storage key, a key built under its slot tag lands in its slot, or there is

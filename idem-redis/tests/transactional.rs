@@ -12,7 +12,7 @@ use idem_core::{
     AcquireOutcome, AcquireRequest, Bytes, Error, IdempotencyKey, IdempotencyStore, Lease,
     LostLease, Namespace, RecordState, StateKind, TransactionalStore,
 };
-use idem_redis::{MAX_WRITES, RedisStore, RedisWrites};
+use idem_redis::{MAX_WRITES, RedisConfig, RedisStore, RedisWrites};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
@@ -669,6 +669,196 @@ async fn shared_tags_share_data(store: RedisStore) {
     assert!(
         matches!(r, Err(Error::InvalidInput { field: "key", .. })),
         "{r:?}"
+    );
+}
+
+/// A Redis user of the standalone server, removed (`ACL DELUSER`) when dropped, so also when the
+/// test fails.
+struct AclUser {
+    name: String,
+    password: String,
+}
+
+impl AclUser {
+    /// Creates the user with `rules` (after `on` and its password).
+    async fn create(admin: &mut Admin, rules: &[&str]) -> Self {
+        let user = Self {
+            name: format!("idem-test-{}", uuid::Uuid::new_v4().simple()),
+            password: uuid::Uuid::new_v4().simple().to_string(),
+        };
+        let password = format!(">{}", user.password);
+        user.set(admin, &["on", &password]).await;
+        user.set(admin, rules).await;
+        user
+    }
+
+    /// `ACL SETUSER name rules...`.
+    async fn set(&self, admin: &mut Admin, rules: &[&str]) {
+        admin
+            .query::<()>(redis::cmd("ACL").arg("SETUSER").arg(&self.name).arg(rules))
+            .await;
+    }
+
+    /// `url` (the tests' server) logging in as this user.
+    fn url(&self, url: &str) -> String {
+        let (scheme, rest) = url.split_once("://").expect("a redis:// URL");
+        // Any user the URL names is replaced.
+        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+        format!("{scheme}://{}:{}@{host}", self.name, self.password)
+    }
+}
+
+impl Drop for AclUser {
+    fn drop(&mut self) {
+        // Drop cannot await: a blocking connection of its own.
+        let deleted = redis::Client::open(common::url())
+            .and_then(|client| client.get_connection_with_timeout(Duration::from_secs(5)))
+            .and_then(|mut c| {
+                redis::cmd("ACL")
+                    .arg("DELUSER")
+                    .arg(&self.name)
+                    .query::<i64>(&mut c)
+            });
+        if let Err(e) = deleted {
+            eprintln!("the ACL user {} is left on the server: {e}", self.name);
+        }
+    }
+}
+
+/// `XLEN key` (0 when there is no key).
+async fn xlen(admin: &mut Admin, key: &str) -> u64 {
+    admin.query(redis::cmd("XLEN").arg(key)).await
+}
+
+/// Redis checks ACLs command by command and does not roll a script back: a user denied `XADD`
+/// had `incr_by + xadd` apply the `INCRBY`, then fail, the record left in progress, and every
+/// redelivery applied the `INCRBY` again. The script checks every write's command first: the
+/// call is a `Backend` error naming the command, nothing is written, and once the ACL allows it
+/// the same lease completes, applying every write once.
+#[tokio::test]
+async fn a_write_the_acl_denies_writes_nothing() {
+    let Some(store) = common::standalone().await else {
+        return;
+    };
+    let mut admin = Admin::of(&store).await;
+    let user = AclUser::create(&mut admin, &["~*", "&*", "+@all", "-xadd"]).await;
+    // The same prefix as `store`: the same records.
+    let denied = RedisStore::connect_with(&user.url(&common::url()), store.config().clone())
+        .await
+        .expect("a store logged in as the restricted user");
+
+    let k = key("acl");
+    let lease = acquired(&denied, &k, HOUR).await;
+    let balance = denied.effect_key(&k, ":balance").unwrap();
+    let events = denied.effect_key(&k, ":events").unwrap();
+    let writes = RedisWrites::new()
+        .incr_by(balance.as_str(), 1250)
+        .xadd(events.as_str(), [("kind", "charged")]);
+
+    // The delivery, then a redelivery: each refused, neither writing anything.
+    for attempt in 1..=2 {
+        let r = denied
+            .complete_with(&lease, Bytes::from_static(b"r"), HOUR, writes.clone())
+            .await;
+        let applied = admin.get(&balance).await;
+        assert_eq!(applied, None, "attempt {attempt}: INCRBY applied ({r:?})");
+        assert_eq!(xlen(&mut admin, &events).await, 0, "attempt {attempt}");
+        assert_eq!(state(&store, &k).await, RecordState::InProgress);
+        let shown = match &r {
+            Err(e @ Error::Backend { .. }) => format!("{e} / {e:?}"),
+            other => panic!("attempt {attempt}: expected Backend, got {other:?}"),
+        };
+        assert!(
+            shown.contains("may not run XADD on the key of write 2")
+                && shown.contains("nothing was written"),
+            "attempt {attempt}: {shown}"
+        );
+    }
+
+    // The completion's own SET of the record is checked too.
+    user.set(&mut admin, &["+xadd", "-set"]).await;
+    let r = denied
+        .complete_with(&lease, Bytes::from_static(b"r"), HOUR, writes.clone())
+        .await;
+    assert!(
+        matches!(&r, Err(Error::Backend { .. }))
+            && format!("{r:?}").contains("may not run SET on the record's key"),
+        "{r:?}"
+    );
+    assert!(!admin.exists(&balance).await, "INCRBY applied");
+    assert_eq!(xlen(&mut admin, &events).await, 0);
+    assert_eq!(state(&store, &k).await, RecordState::InProgress);
+
+    // The ACL mended: the same lease completes, every write applied once.
+    user.set(&mut admin, &["+set"]).await;
+    denied
+        .complete_with(&lease, Bytes::from_static(b"r"), HOUR, writes)
+        .await
+        .expect("the lease completes once the ACL allows its writes");
+    assert_eq!(admin.get(&balance).await.as_deref(), Some(&b"1250"[..]));
+    assert_eq!(xlen(&mut admin, &events).await, 1);
+    assert_eq!(
+        state(&store, &k).await,
+        RecordState::Completed {
+            result: Bytes::from_static(b"r")
+        }
+    );
+}
+
+/// Under a prefix holding a hash tag (`{idem}:`) every record has that tag, whatever its id, so
+/// `effect_key` would give every record the same key, under the prefix (refused at completion):
+/// it refuses. Tags in the ids work as before under a plain prefix.
+#[tokio::test]
+async fn effect_keys_are_refused_under_a_prefix_holding_a_hash_tag() {
+    let Some(store) = common::standalone().await else {
+        return;
+    };
+    let unique = uuid::Uuid::new_v4().simple().to_string();
+    async fn connect(prefix: String) -> RedisStore {
+        let config = RedisConfig::default().with_prefix(prefix);
+        RedisStore::connect_with(&common::url(), config)
+            .await
+            .unwrap()
+    }
+    let tagged = connect(format!("{{idem-test-{unique}}}:")).await;
+    for id in ["order-42", "{alice}:msg-1"] {
+        let k = key(id);
+        // The slot's tag is the prefix's, whatever the id.
+        assert_eq!(
+            tagged.hash_tag(&k).unwrap(),
+            format!("{{idem-test-{unique}}}")
+        );
+        let r = tagged.effect_key(&k, ":receipt");
+        match &r {
+            Err(Error::InvalidInput {
+                field: "key",
+                reason,
+            }) => assert!(
+                reason.contains(&format!("{{idem-test-{unique}}}"))
+                    && reason.contains("prefix")
+                    && reason.contains("shared by every record"),
+                "{id}: {reason}"
+            ),
+            other => panic!("{id}: expected InvalidInput on key, got {other:?}"),
+        }
+    }
+
+    // A prefix opening a tag that the id closes: the key would still lie under the prefix.
+    let open = connect(format!("{{idem-test-{unique}:")).await;
+    let r = open.effect_key(&key("{alice}:msg-1"), ":receipt");
+    assert!(
+        matches!(&r, Err(Error::InvalidInput { field: "key", reason }) if reason.contains("under the store's prefix")),
+        "{r:?}"
+    );
+
+    // A plain prefix: the id's tag, or the whole storage key.
+    let k = key("{alice}:msg-1");
+    assert_eq!(store.effect_key(&k, ":receipt").unwrap(), "{alice}:receipt");
+    let k = key("order-42");
+    let storage_key = String::from_utf8(store.storage_key(&k)).unwrap();
+    assert_eq!(
+        store.effect_key(&k, ":receipt").unwrap(),
+        format!("{{{storage_key}}}:receipt")
     );
 }
 

@@ -1,14 +1,18 @@
 -- complete_with(KEYS[1] the record, KEYS[1 + i] the key of write i;
 --               token, result, retention_ms, then for each write i: code, argc, argc arguments)
--- -> {1}, a refusal (see `refused`), or {2, i, reason}: write i (from 1) cannot apply.
+-- -> {1}, a refusal (see `refused`), {2, i, reason}: write i (from 1) cannot apply, or an error
+-- reply `NOPERM idem complete_with: ...`: the ACL of the store's user denies one of the writes
+-- (or the completion's own SET), and nothing was written.
 --
--- `complete` plus the handler's writes, atomically: the fence of complete.lua, then every
--- condition, then a check that every write can apply, and only then the writes, in order, and
--- the completion. Redis does not roll a script back, so nothing below the line "Nothing has been
--- written above this line" may fail: every way a write command can fail on data (WRONGTYPE, a
--- counter that is not an integer or would overflow, a NaN score, a stream whose entry IDs are
--- exhausted) is checked before it, and the
--- arguments are checked by the store before sending (expiries in range, no NaN, no empty XADD).
+-- `complete` plus the handler's writes, atomically: the fence of complete.lua, then a check that
+-- the store's user may run every write (ACLs), then every condition, then a check that every
+-- write can apply, and only then the writes, in order, and the completion. Redis does not roll a
+-- script back, so nothing below the line "Nothing has been written above this line" may fail:
+-- Redis checks ACLs command by command, so each write's command is checked with
+-- `redis.acl_check_cmd` first (Redis 7.0+); every way a write command can fail on data
+-- (WRONGTYPE, a counter that is not an integer or would overflow, a NaN score, a stream whose
+-- entry IDs are exhausted) is checked before it, and the arguments are checked by the store
+-- before sending (expiries in range, no NaN, no empty XADD).
 -- Replay-safe like complete.lua: {1} again, changing nothing and writing none of the writes,
 -- when the record already is completed with this token and these result bytes.
 local token, result, retention = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -36,7 +40,48 @@ if #writes ~= #KEYS - 1 or pos ~= #ARGV + 1 then
     .. ' keys')
 end
 
--- 1. Conditions, against the data as it was before this call.
+-- The Redis command write `w` runs, name then arguments, or nil for a condition (eq, absent),
+-- which runs none, and for an unknown code (refused in 3.). The ACL check (1.) and the writes
+-- (4.) both run what this builds, so the commands checked are exactly those run.
+-- The other writes are the command of their code's name, the key, then this many arguments.
+local ARGC = {incrby = 1, decrby = 1, del = 0, pexpire = 1, hset = 2, hdel = 1, hincrby = 2,
+  lpush = 1, rpush = 1, sadd = 1, srem = 1, zadd = 2, zincrby = 2, zrem = 1}
+local function command_of(w)
+  local c, k, a = w.code, w.key, w.args
+  if c == 'set' or c == 'setnx' then
+    -- setnx: the key's absence is a condition (2.); the write is a plain SET.
+    if a[2] ~= nil then
+      return {'SET', k, a[1], 'PX', a[2]}
+    end
+    return {'SET', k, a[1]}
+  elseif c == 'xadd' then
+    return {'XADD', k, '*', unpack(a)}
+  elseif ARGC[c] ~= nil then
+    return {string.upper(c), k, unpack(a, 1, ARGC[c])}
+  end
+  return nil
+end
+
+-- 1. May the store's user run every write? Redis checks ACLs command by command and does not
+-- roll a script back: a denied command in the middle would leave the writes before it applied,
+-- and every redelivery would apply them again. So every command is checked before the first
+-- write, and the completion's own SET of the record too (its value does not matter to an ACL,
+-- which judges the command and its keys).
+local function denied(what)
+  return redis.error_reply('NOPERM idem complete_with: the store\'s user may not run ' .. what
+    .. '; nothing was written')
+end
+for i, w in ipairs(writes) do
+  w.cmd = command_of(w)
+  if w.cmd ~= nil and not redis.acl_check_cmd(unpack(w.cmd)) then
+    return denied(w.cmd[1] .. ' on the key of write ' .. i .. ' (counted from 1)')
+  end
+end
+if not redis.acl_check_cmd('SET', key, result, 'PXAT', int(now + retention)) then
+  return denied("SET on the record's key")
+end
+
+-- 2. Conditions, against the data as it was before this call.
 for i, w in ipairs(writes) do
   local c = w.code
   if c == 'absent' or c == 'setnx' then
@@ -55,7 +100,7 @@ for i, w in ipairs(writes) do
   end
 end
 
--- 2. Can every write apply? Each written key is followed through the list: its type (from
+-- 3. Can every write apply? Each written key is followed through the list: its type (from
 -- TYPE, then as the writes before change it) and the values counters add to.
 --
 -- 64-bit integers as Redis reads them (string2ll): "0", or an optional '-' then 1 to 19 digits
@@ -255,47 +300,12 @@ for i, w in ipairs(writes) do
   end
 end
 
--- 3. Nothing has been written above this line. The writes, in order, then the completion.
+-- 4. Nothing has been written above this line. The writes, in order (the commands checked in
+-- 1.), then the completion.
 for _, w in ipairs(writes) do
-  local c, k, a = w.code, w.key, w.args
-  if c == 'set' or c == 'setnx' then
-    if a[2] ~= nil then
-      redis.call('SET', k, a[1], 'PX', a[2])
-    else
-      redis.call('SET', k, a[1])
-    end
-  elseif c == 'incrby' then
-    redis.call('INCRBY', k, a[1])
-  elseif c == 'decrby' then
-    redis.call('DECRBY', k, a[1])
-  elseif c == 'del' then
-    redis.call('DEL', k)
-  elseif c == 'pexpire' then
-    redis.call('PEXPIRE', k, a[1])
-  elseif c == 'hset' then
-    redis.call('HSET', k, a[1], a[2])
-  elseif c == 'hdel' then
-    redis.call('HDEL', k, a[1])
-  elseif c == 'hincrby' then
-    redis.call('HINCRBY', k, a[1], a[2])
-  elseif c == 'lpush' then
-    redis.call('LPUSH', k, a[1])
-  elseif c == 'rpush' then
-    redis.call('RPUSH', k, a[1])
-  elseif c == 'sadd' then
-    redis.call('SADD', k, a[1])
-  elseif c == 'srem' then
-    redis.call('SREM', k, a[1])
-  elseif c == 'zadd' then
-    redis.call('ZADD', k, a[1], a[2])
-  elseif c == 'zincrby' then
-    redis.call('ZINCRBY', k, a[1], a[2])
-  elseif c == 'zrem' then
-    redis.call('ZREM', k, a[1])
-  elseif c == 'xadd' then
-    redis.call('XADD', k, '*', unpack(a))
+  if w.cmd ~= nil then
+    redis.call(unpack(w.cmd))
   end
-  -- eq and absent are conditions only.
 end
 r.state = COMPLETED
 r.lease = nil
