@@ -33,7 +33,9 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, Statement};
 
-use crate::error::{Contention, STORE, is_connection_error, map_pg, map_store_pg};
+use crate::error::{
+    Contention, STORE, is_connection_error, is_retryable_state, map_pg, map_store_pg,
+};
 use crate::store::{MAX_ROUNDS, PostgresStore, column, micros, state_kind, token_of};
 use crate::writes::{PgWrites, invalid};
 
@@ -434,16 +436,64 @@ fn completion(row: Option<&Row>, lease: &Lease) -> Result<Completion> {
 }
 
 /// The error of a handler's statement that failed in the transaction.
+///
+/// - The data refused the effect: [`Error::EffectRefused`] (see [`refuses_the_effect`]).
+/// - `25001` (active SQL transaction): the statement cannot run inside a transaction block, or
+///   not after the transaction's first query, which the completion's statement always is
+///   (`VACUUM`, `CREATE INDEX CONCURRENTLY`, a transaction characteristic set by a function,
+///   `SET TRANSACTION READ WRITE` after `READ ONLY`): it can never run in the writes, so
+///   [`Error::InvalidInput`] on `writes`, as the texts [`PgWrites::check`] refuses.
+/// - Retryable SQLSTATEs and connection failures (a timeout, a deadlock, a lost connection):
+///   as any other store error, [`Error::Unavailable`].
+/// - Any other error of the server (a missing privilege, `42501`; a write after the writes made
+///   the transaction read-only, `25006`): [`Error::Backend`] naming the statement.
+///
+/// `25P02` cannot show here: the first failure is read first.
 fn refused_statement(index: usize, e: tokio_postgres::Error) -> Error {
-    match e.as_db_error() {
-        Some(db) if refuses_the_effect(db.code()) => Error::EffectRefused {
+    let Some(db) = e.as_db_error() else {
+        return map_pg(e);
+    };
+    if refuses_the_effect(db.code()) {
+        return Error::EffectRefused {
             store: STORE,
             index,
             reason: describe(db),
-        },
-        // An error the statement did not cause (the connection, a timeout, a deadlock): as any
-        // other store error. `25P02` cannot show here: the first failure is read first.
-        _ => map_pg(e),
+        };
+    }
+    if *db.code() == SqlState::ACTIVE_SQL_TRANSACTION {
+        return invalid(format!(
+            "statement {index} cannot run in the transaction the writes commit in, after the \
+             completion's statement: {}",
+            describe(db)
+        ));
+    }
+    if is_retryable_state(db.code()) {
+        return map_pg(e);
+    }
+    Error::backend(STORE, StatementFailed::new(index, "failed", e))
+}
+
+/// The source of [`Error::Backend`] for a handler's statement the server refused for a reason
+/// that is neither its data nor its text (a missing privilege, ...): names the statement and
+/// keeps the driver's error (the server's message) as its source.
+#[derive(Debug, thiserror::Error)]
+#[error("statement {index} of the handler's writes {what} (SQLSTATE {code})")]
+struct StatementFailed {
+    index: usize,
+    what: &'static str,
+    code: String,
+    #[source]
+    source: tokio_postgres::Error,
+}
+
+impl StatementFailed {
+    fn new(index: usize, what: &'static str, source: tokio_postgres::Error) -> Self {
+        Self {
+            index,
+            what,
+            code: source.code().map_or("", SqlState::code).to_owned(),
+            source,
+        }
     }
 }
 
@@ -466,10 +516,17 @@ fn refused_at_commit(e: tokio_postgres::Error, writes: &PgWrites) -> Error {
 /// also answers for `schema.table` in a missing schema; `3F000` invalid schema name) is
 /// [`Error::NotSetUp`]: the database is not set up for the handler yet (a consumer deployed
 /// before the migration that creates its table), so the message is retried and goes through
-/// once the table exists, as on DynamoDB. Any other statement that can never run is invalid
-/// input (the rest of SQLSTATE class `42`, syntax or access rule, and `0A`, not supported); the
-/// rest (a lost connection, ...) as any store error.
+/// once the table exists, as on DynamoDB. A privilege the store's role lacks (`42501`, at
+/// prepare: `USAGE` on a schema the statement names) is [`Error::Backend`] naming the
+/// statement, as when PostgreSQL checks the privilege at run time (most of them, see
+/// [`refused_statement`]): the operator grants it, and the message goes through when retried.
+/// Any other statement that can never run is invalid input (the rest of SQLSTATE class `42`,
+/// syntax or access rule, and `0A`, not supported); the rest (a lost connection, ...) as any
+/// store error.
 fn refused_at_prepare(index: usize, e: tokio_postgres::Error) -> Error {
+    if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) {
+        return Error::backend(STORE, StatementFailed::new(index, "does not prepare", e));
+    }
     match e.as_db_error() {
         Some(db)
             if [SqlState::UNDEFINED_TABLE, SqlState::INVALID_SCHEMA_NAME].contains(db.code()) =>

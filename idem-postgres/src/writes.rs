@@ -63,12 +63,27 @@ pub fn param<T: ToSql + Send + Sync + 'static>(value: T) -> PgParam {
 /// TRANSACTION`, also after empty statements, which the server drops: `;COMMIT` is a `COMMIT`;
 /// it would end or split the transaction), a statement that changes the pooled connection's
 /// session for every later call on it (`SET` other than `SET LOCAL`, `SET TRANSACTION` and `SET
-/// CONSTRAINTS`; `RESET`, `PREPARE`, `DEALLOCATE`, `DISCARD`, `LISTEN`, `UNLISTEN`, `LOAD`),
-/// [`expect_rows`](Self::expect_rows) before any statement; and, once the texts
-/// are prepared (before the transaction starts), a text the server refuses to prepare (a syntax
-/// error, an unknown column or function, a missing privilege: SQLSTATE class `42`, or `0A`), a
-/// parameter count other than the statement's, or a value of a type the statement's parameter
-/// does not take.
+/// CONSTRAINTS`, `SET SESSION CHARACTERISTICS` included; `RESET`, `PREPARE`, `DEALLOCATE`,
+/// `DISCARD`, `LISTEN`, `UNLISTEN`, `LOAD`), a transaction characteristic that cannot be set
+/// once the transaction has run a query (below), [`expect_rows`](Self::expect_rows) before any
+/// statement; and, once the texts are prepared (before the transaction starts), a text the
+/// server refuses to prepare (a syntax error, an unknown column or function: SQLSTATE class
+/// `42`, or `0A`), a parameter count other than the statement's, or a value of a type the
+/// statement's parameter does not take.
+///
+/// **Transaction characteristics.** The completion's statement runs first in the transaction,
+/// and PostgreSQL takes an isolation level, `[NOT] DEFERRABLE` or an imported snapshot only
+/// before a transaction's first query (after it, SQLSTATE `25001`: "must be called before any
+/// query"), so the writes cannot set them: `SET TRANSACTION` with `ISOLATION LEVEL`, `[NOT]
+/// DEFERRABLE` or `SNAPSHOT` among its modes (also written `SET LOCAL TRANSACTION` or `SET
+/// SESSION TRANSACTION`), and `SET [LOCAL] transaction_isolation` or `transaction_deferrable`,
+/// are refused before anything is sent, even an isolation level equal to the one in force
+/// (which the server would take as a no-op). The transaction has the isolation level its
+/// `BEGIN` gives it: the server's or role's `default_transaction_isolation`. `SET TRANSACTION
+/// READ ONLY` runs (the statements after it may not write: a write then fails with `25006`, a
+/// [`Error::Backend`]), and so does `SET TRANSACTION READ WRITE`, which changes nothing (the
+/// completion has written) except after `READ ONLY`, where the server refuses it (`25001`,
+/// below).
 ///
 /// A statement naming a table or schema that does not exist (SQLSTATE `42P01`, which a table in
 /// a missing schema also gives, or `3F000`) is [`Error::NotSetUp`] instead, naming the statement
@@ -77,13 +92,28 @@ pub fn param<T: ToSql + Send + Sync + 'static>(value: T) -> PgParam {
 /// and goes through once the table exists, as on DynamoDB. Nothing is written and the record
 /// stays in progress.
 ///
+/// A privilege the store's role lacks (SQLSTATE `42501`, "permission denied for ...") is
+/// [`Error::Backend`] naming the statement, wherever PostgreSQL checks it: most privileges are
+/// checked when the statement runs, in the transaction (`INSERT`, `UPDATE`, `DELETE` or `SELECT`
+/// on a table or column, `EXECUTE` on a function, `USAGE` on a sequence), so the statements
+/// before it have run and are rolled back; `USAGE` on a schema the statement names is checked
+/// when it is prepared, before the transaction. Nothing is written and the record stays in
+/// progress, under the lease. Not [`Error::Unavailable`]: retrying alone does not help, the
+/// operator grants the privilege, and a later delivery of the message goes through (Redis
+/// answers an ACL denial the same way).
+///
 /// In the transaction, [`Error::EffectRefused`] with the statement's index (nothing is
 /// written, the record stays in progress): a statement whose [`expect_rows`](Self::expect_rows)
 /// condition fails, or that the database refuses because of the data: an integrity constraint
 /// (class `23`: unique, check, foreign key, not null, exclusion), a data exception (class `22`:
-/// a value out of range, a division by zero, ...) or an exception raised by a trigger or function
-/// (class `P0`, `RAISE EXCEPTION`). A constraint declared `DEFERRABLE INITIALLY DEFERRED` is
-/// checked at `COMMIT`: its refusal carries the index [`len`](Self::len) (the commit).
+/// a value out of range, a division by zero, ...), a program limit (class `54`: an index row too
+/// large) or an exception raised by a trigger or function (class `P0`, `RAISE EXCEPTION`). A
+/// constraint declared `DEFERRABLE INITIALLY DEFERRED` is checked at `COMMIT`: its refusal
+/// carries the index [`len`](Self::len) (the commit). A statement that cannot run inside a
+/// transaction, or not after its first query, in a way its text does not show (SQLSTATE
+/// `25001`: `VACUUM`, `CREATE INDEX CONCURRENTLY`, `set_config('transaction_isolation', ...)`,
+/// `READ WRITE` after `READ ONLY`) is [`Error::InvalidInput`] on `writes`, nothing written. Any
+/// other error the server gives a statement is [`Error::Backend`] naming it.
 ///
 /// Serialization failures, deadlocks, lock and statement timeouts and lost connections are
 /// [`Error::Unavailable`] (retryable) and roll everything back.
@@ -96,7 +126,13 @@ pub fn param<T: ToSql + Send + Sync + 'static>(value: T) -> PgParam {
 /// Keep business tables out of the store's schema and never name it in the writes. What else
 /// outlives the transaction on the pooled connection is not seen either: a function that changes
 /// a session setting (`set_config(name, value, false)`), a temporary table without `ON COMMIT
-/// DROP`, a cursor `WITH HOLD`.
+/// DROP`, a cursor `WITH HOLD`, and a session-level advisory lock (`pg_advisory_lock`,
+/// `pg_advisory_lock_shared`, `pg_try_advisory_lock`, ...): neither the commit nor a rollback
+/// releases it, so it stays held by the pooled connection while that connection serves other
+/// calls or sits idle, until `pg_advisory_unlock` on that same connection or its close, and
+/// every other session waiting for it waits until then. Take the transaction-level forms
+/// (`pg_advisory_xact_lock`, `pg_advisory_xact_lock_shared`, `pg_try_advisory_xact_lock`, ...),
+/// which the transaction's end releases.
 #[derive(Clone, Default)]
 pub struct PgWrites {
     pub(crate) statements: Vec<PgStatement>,
@@ -214,6 +250,15 @@ impl PgWrites {
                      or split the transaction the writes commit in"
                 )));
             }
+            if let Some(keyword) = late_transaction_setting(&s.sql) {
+                return Err(invalid(format!(
+                    "statement {i} is a {keyword} statement, which PostgreSQL accepts only before \
+                     a transaction's first query (SQLSTATE 25001 after it): the completion's \
+                     statement runs first in the transaction the writes commit in, so the writes \
+                     cannot set its isolation level, deferrability or snapshot (SET TRANSACTION \
+                     READ ONLY and READ WRITE they can)"
+                )));
+            }
             if let Some(keyword) = session_change(&s.sql) {
                 return Err(invalid(format!(
                     "statement {i} is a {keyword} statement, which changes the session of the \
@@ -257,9 +302,64 @@ fn transaction_control(sql: &str) -> Option<&'static str> {
     Some(keyword)
 }
 
+/// The transaction characteristic `sql` sets (after white space, comments and empty statements)
+/// if PostgreSQL takes it only before a transaction's first query, which the writes never run
+/// before (the completion's statement runs first): `SET TRANSACTION` (also `SET LOCAL
+/// TRANSACTION`, `SET SESSION TRANSACTION`) with an `ISOLATION LEVEL`, `[NOT] DEFERRABLE` or
+/// `SNAPSHOT` among its modes, and `SET [LOCAL | SESSION] transaction_isolation` or
+/// `transaction_deferrable`. `READ ONLY` and `READ WRITE` can be set at any point (`READ WRITE`
+/// not after `READ ONLY`, which the server refuses when it runs). (`SET SESSION CHARACTERISTICS`
+/// changes the session's defaults: [`session_change`] finds it.)
+fn late_transaction_setting(sql: &str) -> Option<&'static str> {
+    let rest = skip_blank(sql);
+    let first = word(rest);
+    if !first.eq_ignore_ascii_case("SET") {
+        return None;
+    }
+    let mut rest = skip_blank(&rest[first.len()..]);
+    let mut next = word(rest);
+    // `SET LOCAL TRANSACTION` and `SET SESSION TRANSACTION` are `SET TRANSACTION`; `SET local.x`
+    // names a setting `local.x`.
+    if ["LOCAL", "SESSION"]
+        .iter()
+        .any(|scope| next.eq_ignore_ascii_case(scope))
+        && !rest[next.len()..].starts_with('.')
+    {
+        rest = skip_blank(&rest[next.len()..]);
+        next = word(rest);
+    }
+    if rest[next.len()..].starts_with('.') {
+        return None;
+    }
+    match next.to_ascii_lowercase().as_str() {
+        "transaction_isolation" => Some("SET transaction_isolation"),
+        "transaction_deferrable" => Some("SET transaction_deferrable"),
+        "transaction" => {
+            // The modes, separated by commas or white space: `READ ONLY, ISOLATION LEVEL ...`.
+            let mut modes = &rest[next.len()..];
+            loop {
+                modes = skip_blank(modes);
+                if let Some(after) = modes.strip_prefix(',') {
+                    modes = after;
+                    continue;
+                }
+                let mode = word(modes);
+                match mode.to_ascii_uppercase().as_str() {
+                    "" => return None,
+                    "ISOLATION" => return Some("SET TRANSACTION ISOLATION LEVEL"),
+                    "DEFERRABLE" => return Some("SET TRANSACTION [NOT] DEFERRABLE"),
+                    "SNAPSHOT" => return Some("SET TRANSACTION SNAPSHOT"),
+                    _ => modes = &modes[mode.len()..],
+                }
+            }
+        }
+        _ => None,
+    }
+}
+
 /// The statement kind `sql` starts with (after white space, comments and empty statements) if it
 /// changes the connection's session beyond the transaction: a session setting (`SET` other than
-/// `SET LOCAL`, `SET TRANSACTION` and `SET CONSTRAINTS`; `RESET`), a prepared statement of its
+/// `SET LOCAL`, `SET [SESSION] TRANSACTION` and `SET CONSTRAINTS`; `RESET`), a prepared statement of its
 /// own or the pool's (`PREPARE`, `DEALLOCATE`), `DISCARD`, `LISTEN`, `UNLISTEN`, `LOAD`. The
 /// pool hands the connection on as it is. (A function can still change a setting, such as
 /// `set_config(name, value, false)`: the statement's text does not show it.)
@@ -274,6 +374,15 @@ fn session_change(sql: &str) -> Option<&'static str> {
                 .iter()
                 .any(|scoped| next.eq_ignore_ascii_case(scoped))
                 && !after[next.len()..].starts_with('.');
+            // `SET SESSION TRANSACTION ...` is `SET TRANSACTION ...` (but `SET SESSION
+            // CHARACTERISTICS AS TRANSACTION ...` sets the session's defaults).
+            let scoped = scoped
+                || next.eq_ignore_ascii_case("SESSION") && {
+                    let then = skip_blank(&after[next.len()..]);
+                    let then_word = word(then);
+                    then_word.eq_ignore_ascii_case("TRANSACTION")
+                        && !then[then_word.len()..].starts_with('.')
+                };
             if scoped {
                 return None;
             }
@@ -447,8 +556,127 @@ mod tests {
             ("SET local.x = 1", Some("SET")),
             ("set transaction.x TO 1", Some("SET")),
             ("SET --\rsearch_path = \nlocal", Some("SET")),
+            // The session's defaults for later transactions.
+            (
+                "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                Some("SET"),
+            ),
+            (
+                "/* c */ set session characteristics as transaction read only",
+                Some("SET"),
+            ),
+            // `SET SESSION TRANSACTION` is `SET TRANSACTION`: this transaction alone.
+            ("SET SESSION TRANSACTION READ ONLY", None),
+            ("set session /* c */ transaction read write", None),
+            ("SET SESSION transaction.x = 1", Some("SET")),
+            ("SET SESSION statement_timeout = 1000", Some("SET")),
         ] {
             assert_eq!(session_change(sql), found, "{sql:?}");
+        }
+    }
+
+    #[test]
+    fn transaction_characteristics_set_too_late_are_found() {
+        const ISOLATION: Option<&str> = Some("SET TRANSACTION ISOLATION LEVEL");
+        const DEFERRABLE: Option<&str> = Some("SET TRANSACTION [NOT] DEFERRABLE");
+        const SNAPSHOT: Option<&str> = Some("SET TRANSACTION SNAPSHOT");
+        for (sql, found) in [
+            ("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE", ISOLATION),
+            ("set transaction isolation level read committed", ISOLATION),
+            (
+                "  Set  Transaction\n\tIsolation Level Repeatable Read",
+                ISOLATION,
+            ),
+            (
+                "/* a /* nested */ c */ SET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                ISOLATION,
+            ),
+            (
+                "-- note\r\nSET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                ISOLATION,
+            ),
+            (";; SET TRANSACTION ISOLATION LEVEL SERIALIZABLE", ISOLATION),
+            (
+                "SET /* c */ TRANSACTION -- c\n ISOLATION LEVEL SERIALIZABLE",
+                ISOLATION,
+            ),
+            // Among other modes, with or without commas.
+            (
+                "SET TRANSACTION READ ONLY, ISOLATION LEVEL SERIALIZABLE",
+                ISOLATION,
+            ),
+            (
+                "SET TRANSACTION READ WRITE,ISOLATION LEVEL SERIALIZABLE",
+                ISOLATION,
+            ),
+            (
+                "set transaction read only isolation level serializable",
+                ISOLATION,
+            ),
+            ("SET TRANSACTION DEFERRABLE", DEFERRABLE),
+            ("SET TRANSACTION NOT DEFERRABLE", DEFERRABLE),
+            ("set transaction read only deferrable", DEFERRABLE),
+            (
+                "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE, READ ONLY, DEFERRABLE",
+                ISOLATION,
+            ),
+            ("SET TRANSACTION SNAPSHOT '00000003-0000001B-1'", SNAPSHOT),
+            ("set transaction snapshot $1", SNAPSHOT),
+            // `SET LOCAL TRANSACTION` and `SET SESSION TRANSACTION` are `SET TRANSACTION`.
+            (
+                "SET LOCAL TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                ISOLATION,
+            ),
+            ("set session transaction deferrable", DEFERRABLE),
+            // The settings behind them.
+            (
+                "SET LOCAL transaction_isolation = 'serializable'",
+                Some("SET transaction_isolation"),
+            ),
+            (
+                "set transaction_isolation TO 'serializable'",
+                Some("SET transaction_isolation"),
+            ),
+            (
+                "SET SESSION Transaction_Isolation = DEFAULT",
+                Some("SET transaction_isolation"),
+            ),
+            (
+                "SET LOCAL transaction_deferrable = on",
+                Some("SET transaction_deferrable"),
+            ),
+            // What can be set after a query.
+            ("SET TRANSACTION READ ONLY", None),
+            ("set transaction read write", None),
+            ("SET LOCAL TRANSACTION READ ONLY", None),
+            ("SET SESSION TRANSACTION READ WRITE", None),
+            ("SET LOCAL transaction_read_only = on", None),
+            // Not transaction characteristics.
+            (
+                "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                None,
+            ),
+            ("SET CONSTRAINTS ALL DEFERRED", None),
+            ("SET LOCAL statement_timeout = 1000", None),
+            ("SET transaction.isolation = 'x'", None),
+            ("SET LOCAL transaction.deferrable = 'x'", None),
+            ("SET local.transaction_isolation = 'x'", None),
+            ("SET transaction_isolation_x = 1", None),
+            ("UPDATE t SET transaction = 'ISOLATION'", None),
+            (
+                "SELECT set_config('transaction_isolation', 'serializable', true)",
+                None,
+            ),
+            (
+                "-- SET TRANSACTION ISOLATION LEVEL SERIALIZABLE\nSELECT 1",
+                None,
+            ),
+            ("/* SET TRANSACTION DEFERRABLE */ SELECT 1", None),
+            ("settransaction isolation level serializable", None),
+            ("SET TRANSACTION", None),
+            ("", None),
+        ] {
+            assert_eq!(late_transaction_setting(sql), found, "{sql:?}");
         }
     }
 
@@ -471,6 +699,33 @@ mod tests {
         assert!(reason(PgWrites::new().execute(" \n", ())).contains("empty"));
         assert!(reason(PgWrites::new().execute("SELECT '\0'", ())).contains("NUL"));
         assert!(reason(PgWrites::new().execute("COMMIT", ())).contains("COMMIT"));
+        let late = reason(
+            PgWrites::new()
+                .execute("INSERT INTO t VALUES ($1)", [1i64])
+                .execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE", ()),
+        );
+        assert!(late.contains("statement 1"), "{late}");
+        assert!(late.contains("ISOLATION LEVEL"), "{late}");
+        assert!(late.contains("completion's statement runs first"), "{late}");
+        assert!(
+            reason(PgWrites::new().execute("SET TRANSACTION SNAPSHOT '1'", ()))
+                .contains("SNAPSHOT")
+        );
+        // The session's defaults: a session setting.
+        assert!(
+            reason(PgWrites::new().execute(
+                "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                ()
+            ))
+            .contains("changes the session")
+        );
+        for fine in [
+            "SET TRANSACTION READ ONLY",
+            "SET TRANSACTION READ WRITE",
+            "SET SESSION TRANSACTION READ ONLY",
+        ] {
+            assert!(PgWrites::new().execute(fine, ()).check().is_ok(), "{fine}");
+        }
         assert!(reason(PgWrites::new().expect_rows(1)).contains("before any statement"));
         let wide: Vec<PgParam> = (0..=MAX_PARAMS).map(|_| param(0i32)).collect();
         assert!(reason(PgWrites::new().execute("SELECT 1", wide)).contains("65535"));

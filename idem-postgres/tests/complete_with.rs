@@ -596,6 +596,253 @@ async fn a_missing_table_or_schema_is_not_set_up_and_writes_nothing() {
     assert_eq!(rows, 1);
 }
 
+/// Transaction characteristics the writes cannot set: the completion's statement runs first in
+/// the transaction, and PostgreSQL takes an isolation level, `[NOT] DEFERRABLE` or a snapshot
+/// only before a transaction's first query (`25001` after it). Refused before anything is sent;
+/// nothing written, the record still in progress. `READ WRITE` (a no-op: the completion wrote)
+/// and `READ ONLY` (the statements after it may not write) do run.
+#[tokio::test]
+async fn transaction_characteristics_the_completion_precedes_are_refused_before_sending() {
+    let Some((store, proxy)) = common::proxied_store(|c| c.with_pool_size(1)).await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let lease = acquire(&store, &AcquireRequest::new(ns().key("iso").unwrap(), "w")).await;
+    let ok = || PgWrites::new().execute(t.insert(), ("e", 5i64, "alice", 0i64));
+    for (sql, says) in [
+        (
+            "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+            "ISOLATION LEVEL",
+        ),
+        // Even the level in force: the server takes that one as a no-op, but which level is in
+        // force depends on the server's `default_transaction_isolation`.
+        (
+            "set transaction isolation level read committed",
+            "ISOLATION LEVEL",
+        ),
+        (
+            "/* c */ SET TRANSACTION READ ONLY, ISOLATION LEVEL REPEATABLE READ",
+            "ISOLATION LEVEL",
+        ),
+        ("SET TRANSACTION READ ONLY DEFERRABLE", "DEFERRABLE"),
+        ("SET TRANSACTION NOT DEFERRABLE", "DEFERRABLE"),
+        ("SET TRANSACTION SNAPSHOT '00000003-0000001B-1'", "SNAPSHOT"),
+        (
+            "SET LOCAL TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+            "ISOLATION LEVEL",
+        ),
+        (
+            "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+            "ISOLATION LEVEL",
+        ),
+        (
+            "SET LOCAL transaction_isolation = 'serializable'",
+            "transaction_isolation",
+        ),
+        (
+            "set local transaction_deferrable to on",
+            "transaction_deferrable",
+        ),
+        // The session's defaults: refused as any session setting.
+        (
+            "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+            "changes the session",
+        ),
+    ] {
+        let before = proxy.counts();
+        let r = store
+            .complete_with(
+                &lease,
+                Bytes::from_static(b"x"),
+                RETENTION,
+                ok().execute(sql, ()),
+            )
+            .await;
+        match &r {
+            Err(Error::InvalidInput {
+                field: "writes",
+                reason,
+            }) => {
+                assert!(reason.contains(says), "{sql}: {reason}");
+                assert!(reason.contains("statement 1"), "{sql}: {reason}");
+            }
+            other => panic!("{sql}: expected InvalidInput on writes, got {other:?}"),
+        }
+        assert_eq!(
+            proxy.counts(),
+            before,
+            "{sql}: refused before anything is sent"
+        );
+    }
+    assert_eq!(t.entries(&admin).await, Vec::<String>::new());
+    in_progress(&store, &lease).await;
+
+    // What can be set after the completion runs: READ WRITE (the transaction already wrote) and
+    // READ ONLY (for the statements after it).
+    store
+        .complete_with(
+            &lease,
+            Bytes::from_static(b"x"),
+            RETENTION,
+            ok().execute("SET TRANSACTION READ WRITE", ())
+                .execute("SET TRANSACTION READ ONLY", ())
+                .execute(format!("SELECT count(*) FROM {}", t.ledger), ()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(t.entries(&admin).await, ["e"]);
+}
+
+/// A statement that cannot run inside the writes' transaction, in a way the text does not show
+/// (`25001`: a transaction setting changed by a function, `VACUUM`), is `InvalidInput` on
+/// `writes` from the server's answer; a write after the writes made the transaction read-only
+/// (`25006`) is `Backend` naming the statement. Nothing written, the record still in progress.
+#[tokio::test]
+async fn statements_that_cannot_run_in_the_transaction_write_nothing() {
+    let Some(store) =
+        common::store_with(common::config(common::run_schema()).with_pool_size(1)).await
+    else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let lease = acquire(&store, &AcquireRequest::new(ns().key("tx").unwrap(), "w")).await;
+    let ok = || PgWrites::new().execute(t.insert(), ("e", 5i64, "alice", 0i64));
+    for (name, writes) in [
+        (
+            "isolation level by a function",
+            ok().execute(
+                "SELECT set_config('transaction_isolation', 'serializable', true)",
+                (),
+            ),
+        ),
+        ("VACUUM", ok().execute(format!("VACUUM {}", t.events), ())),
+    ] {
+        let r = store
+            .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, writes)
+            .await;
+        assert!(
+            matches!(&r, Err(Error::InvalidInput { field: "writes", reason }) if reason.contains("statement 1") && reason.contains("25001")),
+            "{name}: {r:?}"
+        );
+        assert_eq!(t.entries(&admin).await, Vec::<String>::new(), "{name}");
+        in_progress(&store, &lease).await;
+    }
+    let r = store
+        .complete_with(
+            &lease,
+            Bytes::from_static(b"x"),
+            RETENTION,
+            ok().execute("SET TRANSACTION READ ONLY", ())
+                .execute(t.insert(), ("ro", 5i64, "alice", 0i64)),
+        )
+        .await;
+    assert!(
+        matches!(&r, Err(e @ Error::Backend { .. }) if e.to_string().contains("statement 2") && e.to_string().contains("25006")),
+        "{r:?}"
+    );
+    assert_eq!(t.entries(&admin).await, Vec::<String>::new());
+    in_progress(&store, &lease).await;
+}
+
+/// The store's role lacks a privilege a statement needs: `Backend` naming the statement and the
+/// server's `42501`, whether PostgreSQL checks it when the statement is prepared (`USAGE` on a
+/// schema) or when it runs in the transaction (`INSERT` on a table). Nothing written, the record
+/// still in progress; once granted, the same writes commit.
+#[tokio::test]
+async fn a_missing_privilege_is_backend_and_writes_nothing() {
+    let Some(_) = common::store().await else {
+        return;
+    };
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let schema = common::run_schema();
+    let role = format!("idem_t_role_{:08x}", rand::random::<u32>());
+    let private = common::fresh_schema();
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE \"{role}\" NOLOGIN;
+             GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\";
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{schema}\" TO \"{role}\";
+             GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA \"{schema}\" TO \"{role}\";
+             REVOKE INSERT ON {ledger} FROM \"{role}\";
+             CREATE SCHEMA \"{private}\";
+             CREATE TABLE \"{private}\".\"audit\" (token bigint);",
+            ledger = t.ledger
+        ))
+        .await
+        .unwrap();
+    // The store's connections act as that role (`SET ROLE` at connect).
+    let mut pg: idem_postgres::tokio_postgres::Config = common::url().parse().unwrap();
+    pg.options(format!("-c role={role}"));
+    let store = PostgresStore::connect(
+        idem_postgres::PostgresConfig::from_pg_config(pg)
+            .with_schema(schema)
+            .with_pool_size(1),
+    )
+    .await
+    .unwrap();
+    let lease = acquire(&store, &AcquireRequest::new(ns().key("p").unwrap(), "w")).await;
+    let ok = || t.event(1);
+    let into_audit = format!("INSERT INTO \"{private}\".\"audit\" (token) VALUES ($1)");
+    for (name, writes, says) in [
+        (
+            "USAGE on a schema, checked at prepare",
+            ok().execute(into_audit.clone(), [1i64]),
+            "permission denied for schema",
+        ),
+        (
+            "INSERT on a table, checked in the transaction",
+            ok().execute(t.insert(), ("e", 5i64, "alice", 0i64)),
+            "permission denied for table",
+        ),
+    ] {
+        let r = store
+            .complete_with(&lease, Bytes::from_static(b"x"), RETENTION, writes)
+            .await;
+        match &r {
+            Err(e @ Error::Backend { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains("statement 1"), "{name}: {text}");
+                assert!(text.contains("42501"), "{name}: {text}");
+                assert!(text.contains(says), "{name}: {text}");
+            }
+            other => panic!("{name}: expected Backend, got {other:?}"),
+        }
+        assert_eq!(t.events(&admin).await, 0, "{name}");
+        assert_eq!(t.entries(&admin).await, Vec::<String>::new(), "{name}");
+        in_progress(&store, &lease).await;
+    }
+    // Granted: the same writes commit with the completion.
+    admin
+        .batch_execute(&format!(
+            "GRANT INSERT ON {} TO \"{role}\"; GRANT USAGE ON SCHEMA \"{private}\" TO \"{role}\";
+             GRANT INSERT ON \"{private}\".\"audit\" TO \"{role}\";",
+            t.ledger
+        ))
+        .await
+        .unwrap();
+    store
+        .complete_with(
+            &lease,
+            Bytes::from_static(b"x"),
+            RETENTION,
+            ok().execute(t.insert(), ("e", 5i64, "alice", 0i64))
+                .execute(into_audit, [1i64]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(t.entries(&admin).await, ["e"]);
+    drop(store);
+    admin
+        .batch_execute(&format!(
+            "DROP SCHEMA \"{private}\" CASCADE; DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\";"
+        ))
+        .await
+        .unwrap();
+}
+
 /// Lock and statement timeouts (and, the same way, serialization failures and deadlocks) are
 /// retryable, and roll everything back.
 #[tokio::test]
