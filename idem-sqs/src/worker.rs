@@ -104,7 +104,8 @@ where
             next += self.extend_every;
             let extending = extending.lock().await;
             if !*extending {
-                // Its final change is made: it is polled until that change returns.
+                // Its final change is made: nothing more to do until `resolve` returns.
+                drop(extending);
                 return std::future::pending().await;
             }
             let sent = self.change_visibility(msg, visibility).await;
