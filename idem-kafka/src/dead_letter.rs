@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 pub use idem_executor::DeadLetterReason;
-use idem_executor::broker::{DeadLetterInfo, attempts_value, header_text};
+pub use idem_executor::broker::COMPACT_TEXT;
+use idem_executor::broker::{DeadLetterInfo, Fit, attempts_value};
 pub use idem_executor::broker::{HEADER_ATTEMPTS, HEADER_ERROR, HEADER_KEY, HEADER_REASON};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -57,15 +58,16 @@ impl DeadLetterTopic {
     }
 }
 
-/// The original headers (when `originals`; else [`HEADER_DROPPED`] names them) followed by the
-/// dead-letter headers.
+/// The original headers (when `fit` keeps them; else [`HEADER_DROPPED`] names them) followed by
+/// the dead-letter headers, their texts cut as `fit` cuts them.
 pub(crate) fn headers(
     msg: &KafkaMessage,
     info: &DeadLetterInfo,
     attempts: Option<u32>,
     key_id: Option<&str>,
-    originals: bool,
+    fit: Fit,
 ) -> OwnedHeaders {
+    let originals = fit.keeps_originals();
     // A copy made by librdkafka, not by reading them: rdkafka panics reading a header name that
     // is not UTF-8, which any producer may send.
     let mut headers = match msg.headers() {
@@ -75,12 +77,12 @@ pub(crate) fn headers(
     let dropped = (!originals)
         .then(|| msg.header_names())
         .filter(|names| !names.is_empty())
-        .map(|names| header_text(&names.join(",")).into_owned());
+        .map(|names| fit.cut(&names.join(",")).into_owned());
     let attempts = attempts_value(attempts);
     let partition = msg.partition().to_string();
     let offset = msg.offset().to_string();
-    let error = header_text(&info.error);
-    let key_id = key_id.map(header_text);
+    let error = fit.cut(&info.error);
+    let key_id = key_id.map(|key| fit.cut(key));
     let ours: [(&str, Option<&str>); 8] = [
         (HEADER_REASON, Some(info.reason.as_str())),
         (HEADER_ERROR, Some(&error)),
@@ -104,7 +106,8 @@ pub(crate) fn headers(
 
 /// Header naming (comma-separated, cut as [`HEADER_ERROR`] is) the original headers a dead
 /// letter goes without (a name that is not UTF-8 as `<not UTF-8>`): present only when, with
-/// them, the record was refused as too large.
+/// them, the record was refused as too large. Refused again without them, the dead letter goes
+/// with this header, [`HEADER_ERROR`] and [`HEADER_KEY`] cut to [`COMPACT_TEXT`] bytes.
 pub const HEADER_DROPPED: &str = "idem-dlq-dropped-headers";
 
 /// librdkafka's largest `message.max.bytes`: what the dead-letter producer is given unless its
@@ -298,7 +301,7 @@ mod tests {
             error: "boom".into(),
             attempts: Some(3),
         };
-        let h = headers(&msg, &info, Some(3), Some("tx-1"), true);
+        let h = headers(&msg, &info, Some(3), Some("tx-1"), Fit::Whole);
         let got: Vec<(String, String)> = h
             .iter()
             .map(|h| {
@@ -348,7 +351,7 @@ mod tests {
             error: "e".repeat(100_000),
             attempts: Some(0),
         };
-        let h = headers(&msg, &info, Some(0), Some(&"k".repeat(100_000)), true);
+        let h = headers(&msg, &info, Some(0), Some(&"k".repeat(100_000)), Fit::Whole);
         for name in [HEADER_ERROR, HEADER_KEY] {
             let value = h.iter().find(|h| h.key == name).unwrap().value.unwrap();
             let value = std::str::from_utf8(value).unwrap();

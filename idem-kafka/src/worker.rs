@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use idem_executor::broker::{self, DeadLetterInfo, Execution, LostTimeouts, Step};
+use idem_executor::broker::{self, DeadLetterInfo, Execution, Fit, LostTimeouts, Step};
 
 use crate::dead_letter::{self, DeadLetterProducer};
 use crate::flow::Flow;
@@ -499,19 +499,31 @@ where
             .execution
             .dead_letter_attempts(info, key_id.as_deref())
             .await;
+        // Smaller each time the record is refused as too large (by the producer's own
+        // `message.max.bytes` or the broker's).
         let send = async {
-            let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), true);
-            match common.dead_letter.send(msg, headers).await {
-                Err(e)
-                    if e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge)
-                        && msg.headers().is_some_and(|h| h.count() > 0) =>
-                {
-                    tracing::warn!(error = %e, "the dead letter is too large with the original headers: writing it with the runner's only, naming the others");
-                    let headers =
-                        dead_letter::headers(msg, info, attempts, key_id.as_deref(), false);
-                    common.dead_letter.send(msg, headers).await
+            let mut fit = if msg.headers().is_some_and(|h| h.count() > 0) {
+                Fit::Whole
+            } else {
+                Fit::WithoutOriginals
+            };
+            loop {
+                let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), fit);
+                let sent = common.dead_letter.send(msg, headers).await;
+                match (fit.smaller(), &sent) {
+                    (Some(smaller), Err(e))
+                        if e.rdkafka_error_code()
+                            == Some(RDKafkaErrorCode::MessageSizeTooLarge) =>
+                    {
+                        if smaller == Fit::Compact {
+                            tracing::warn!(error = %e, "the dead letter is too large with the runner's headers: writing it with the error, the key and the dropped names cut short");
+                        } else {
+                            tracing::warn!(error = %e, "the dead letter is too large with the original headers: writing it with the runner's only, naming the others");
+                        }
+                        fit = smaller;
+                    }
+                    _ => break sent,
                 }
-                sent => sent,
             }
         };
         let sent = tokio::select! {

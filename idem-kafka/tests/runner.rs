@@ -1564,3 +1564,63 @@ async fn a_dead_letter_too_large_with_the_original_headers_goes_without_them() {
     );
     assert_eq!(header(d, idem_kafka::HEADER_KEY).as_deref(), Some("big"));
 }
+
+/// A dead letter still too large without the original headers (here a 20,000-byte value under a
+/// 23,000-byte limit, with a 10,000-byte key: invalid, so its 4,096-byte cut goes into
+/// `idem-dlq-key`) is written with the error, the key and the dropped names cut to 256 bytes.
+/// Before, it was refused every time and the partition stalled on the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_still_too_large_goes_with_its_texts_cut_short() {
+    use idem_kafka::rdkafka::ClientConfig;
+    use idem_kafka::rdkafka::message::Message as _;
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("large-key");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
+    let key = "k".repeat(10_000);
+    let rec = Rec {
+        partition: 0,
+        key: Some("short".into()),
+        value: "x".repeat(20_000),
+        headers: vec![("idempotency-key".into(), key)],
+    };
+    let ends = ends(&produce(&topic, &[rec]).await);
+
+    let mut producer_config = ClientConfig::new();
+    producer_config
+        .set("bootstrap.servers", brokers())
+        .set("message.max.bytes", "23000");
+    let (stats, dlq) = run_and_read_dead_letters(
+        &topic,
+        &group,
+        "large-key",
+        false,
+        Some(producer_config),
+        (1, Duration::from_secs(30)),
+        1,
+    )
+    .await;
+    assert_eq!(stats.dead_lettered(), 1, "{stats:?}");
+    assert_eq!(committed(&group, &topic, 1), ends);
+    assert_eq!(dlq.len(), 1);
+    let d = &dlq[0];
+    assert_eq!(d.payload().map(<[u8]>::len), Some(20_000));
+    assert_eq!(
+        header(d, idem_kafka::HEADER_REASON).as_deref(),
+        Some("invalid_key")
+    );
+    assert_eq!(
+        header(d, idem_kafka::HEADER_DROPPED).as_deref(),
+        Some("idempotency-key")
+    );
+    let cut = header(d, idem_kafka::HEADER_KEY).expect("the key header");
+    assert!(
+        cut.len() <= idem_kafka::COMPACT_TEXT && cut.starts_with("kkk") && cut.ends_with('…'),
+        "the key cut short: {} bytes",
+        cut.len()
+    );
+}
