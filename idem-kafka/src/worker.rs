@@ -453,8 +453,14 @@ where
     /// Writes the record to the dead-letter topic until the write succeeds, pausing the partition
     /// between tries; stops (abandoning the record) on revocation or shutdown.
     async fn dead_letter_until_written(&self, msg: &KafkaMessage, info: &DeadLetterInfo) -> Next {
+        // Kept between tries: a form refused as too large is not tried again.
+        let mut fit = if msg.headers().is_some_and(|h| h.count() > 0) {
+            Fit::Whole
+        } else {
+            Fit::WithoutOriginals
+        };
         loop {
-            match self.dead_letter(msg, info).await {
+            match self.dead_letter(msg, info, &mut fit).await {
                 Ok(()) => return Next::Continue,
                 Err(()) if self.revoke.is_cancelled() => return Next::Abandoned,
                 Err(()) => {}
@@ -491,8 +497,14 @@ where
         slept
     }
 
-    /// Writes the record to the dead-letter topic; on success it is resolved.
-    async fn dead_letter(&self, msg: &KafkaMessage, info: &DeadLetterInfo) -> Result<(), ()> {
+    /// Writes the record to the dead-letter topic, in the form `fit` and smaller ones while it is
+    /// refused as too large (`fit` is left at the last form tried); on success it is resolved.
+    async fn dead_letter(
+        &self,
+        msg: &KafkaMessage,
+        info: &DeadLetterInfo,
+        fit: &mut Fit,
+    ) -> Result<(), ()> {
         let common = &self.common;
         let key_id = common.execution.key_id(msg);
         let attempts = common
@@ -502,13 +514,8 @@ where
         // Smaller each time the record is refused as too large (by the producer's own
         // `message.max.bytes` or the broker's).
         let send = async {
-            let mut fit = if msg.headers().is_some_and(|h| h.count() > 0) {
-                Fit::Whole
-            } else {
-                Fit::WithoutOriginals
-            };
             loop {
-                let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), fit);
+                let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), *fit);
                 let sent = common.dead_letter.send(msg, headers).await;
                 match (fit.smaller(), &sent) {
                     (Some(smaller), Err(e))
@@ -520,7 +527,7 @@ where
                         } else {
                             tracing::warn!(error = %e, "the dead letter is too large with the original headers: writing it with the runner's only, naming the others");
                         }
-                        fit = smaller;
+                        *fit = smaller;
                     }
                     _ => break sent,
                 }

@@ -39,6 +39,17 @@ pub const ATTR_SOURCE_MESSAGE_ID: &str = "idem-dlq-source-message-id";
 /// the message goes with this list, [`ATTR_ERROR`] and [`ATTR_KEY`] cut to [`COMPACT_TEXT`]
 /// bytes.
 pub const ATTR_DROPPED: &str = "idem-dlq-dropped-attributes";
+/// The names of the runner's attributes: an original attribute of one of these names (a dead
+/// letter dead-lettered again) is left out and named in [`ATTR_DROPPED`], even when the runner
+/// writes no value for it this time (no error text, no key), so no stale one passes for current.
+const RUNNER_ATTRIBUTES: [&str; 6] = [
+    ATTR_REASON,
+    ATTR_ERROR,
+    ATTR_ATTEMPTS,
+    ATTR_KEY,
+    ATTR_SOURCE_MESSAGE_ID,
+    ATTR_DROPPED,
+];
 /// The most message attributes SQS takes on one message.
 pub const MAX_ATTRIBUTES: usize = 10;
 /// The longest error text (or key) written to [`ATTR_ERROR`] (or [`ATTR_KEY`]), in bytes:
@@ -101,7 +112,7 @@ pub(crate) fn attributes(
         .attributes()
         .into_iter()
         .flatten()
-        .partition(|(name, _)| !out.contains_key(*name) && *name != ATTR_DROPPED);
+        .partition(|(name, _)| !RUNNER_ATTRIBUTES.contains(&name.as_str()));
     original.sort_by(|a, b| a.0.cmp(b.0));
     let room = MAX_ATTRIBUTES - out.len();
     let kept = match original.len() {
@@ -238,21 +249,27 @@ mod tests {
         let received = Received::builder()
             .message_id("m-3")
             .message_attributes(ATTR_REASON, string("exhausted"))
+            .message_attributes(ATTR_ERROR, string("stale"))
             .message_attributes(ATTR_DROPPED, string("x"))
             .message_attributes("trace", string("t-1"))
             .build();
         let msg = SqsMessage::new(received, "http://q");
         let info = DeadLetterInfo {
-            reason: DeadLetterReason::Failed,
-            error: "bad".into(),
-            attempts: Some(1),
+            reason: DeadLetterReason::MissingKey,
+            error: String::new(),
+            attempts: Some(0),
         };
-        let attrs = attributes(&msg, &info, Some(1), Some("k"), Fit::Whole);
-        assert_eq!(text(&attrs, ATTR_REASON).as_deref(), Some("failed"));
+        let attrs = attributes(&msg, &info, Some(0), None, Fit::Whole);
+        assert_eq!(text(&attrs, ATTR_REASON).as_deref(), Some("missing_key"));
         assert_eq!(text(&attrs, "trace").as_deref(), Some("t-1"));
         assert_eq!(
+            text(&attrs, ATTR_ERROR),
+            None,
+            "no stale error passes for current"
+        );
+        assert_eq!(
             text(&attrs, ATTR_DROPPED).as_deref(),
-            Some("idem-dlq-dropped-attributes,idem-dlq-reason")
+            Some("idem-dlq-dropped-attributes,idem-dlq-error,idem-dlq-reason")
         );
     }
 

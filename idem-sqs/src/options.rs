@@ -74,12 +74,12 @@ pub struct RunnerOptions {
     pub release_timeout: Duration,
     /// Batched delete calls sent at once (default 4; 1 to [`MAX_DELETE_CALLS`]). A delete goes
     /// out at once when no call is in flight; otherwise it waits, with the others that come in
-    /// meanwhile, for the next call: when a call ends, or on a free call once 10 are waiting (up
-    /// to 10 per call).
+    /// meanwhile, until no call is in flight any more, or until 10 are waiting and a call is free
+    /// (up to 10 per call).
     pub max_delete_calls: usize,
     /// Longest wait for SQS's answer to one call (default 30 s; above zero): a visibility
     /// change, a delete, a dead-letter send; a receive may take [`wait_time`](Self::wait_time)
-    /// on top. The AWS SDK bounds no call unless the client's config sets a timeout, and a
+    /// on top, and a visibility extension waits no longer than the extension interval. The AWS SDK bounds no call unless the client's config sets a timeout, and a
     /// call that never answers would hold what waits on it (the receive loop, or every later
     /// partial batch of deletes) for good. A call that timed out counts as failed and is tried
     /// again as a failed call is; it may still have taken effect (a message deleted, a dead

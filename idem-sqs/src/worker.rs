@@ -41,8 +41,9 @@ pub(crate) struct Common<H, C, R> {
 
 /// Whether the visibility of a message is still extended: `false` once its final change is made
 /// (a retry's or a release's). The lock is held while an extension is in flight, so that the
-/// final change waits for it and no extension lands after it: SQS keeps whichever change
-/// reaches it last, and an extension after a retry's would undo the retry delay.
+/// final change waits for it and no extension is sent after it: SQS keeps whichever change
+/// reaches it last, and an extension after a retry's would undo the retry delay. (An extension
+/// that timed out may still reach SQS later; nothing on the client can rule that out.)
 type Extending = tokio::sync::Mutex<bool>;
 
 /// How a message ended.
@@ -108,7 +109,9 @@ where
                 drop(extending);
                 return std::future::pending().await;
             }
-            let sent = self.change_visibility(msg, visibility).await;
+            let sent = self
+                .change_visibility(msg, visibility, self.extension_timeout())
+                .await;
             drop(extending);
             match sent {
                 Ok(_) => RunnerStats::count(
@@ -124,8 +127,13 @@ where
         }
     }
 
-    /// One `ChangeMessageVisibility` of `msg` to `seconds`.
-    async fn change_visibility(&self, msg: &SqsMessage, seconds: i32) -> Result<(), CallError> {
+    /// One `ChangeMessageVisibility` of `msg` to `seconds`, waiting at most `timeout`.
+    async fn change_visibility(
+        &self,
+        msg: &SqsMessage,
+        seconds: i32,
+        timeout: Duration,
+    ) -> Result<(), CallError> {
         let change = self
             .client
             .change_message_visibility()
@@ -133,9 +141,7 @@ where
             .receipt_handle(msg.receipt_handle())
             .visibility_timeout(seconds)
             .send();
-        call::bounded(self.options.call_timeout, change)
-            .await
-            .map(|_| ())
+        call::bounded(timeout, change).await.map(|_| ())
     }
 
     /// The executor call and what follows from its broker action.
@@ -210,7 +216,8 @@ where
         let secs = self.options.retry_visibility(after);
         let mut extending = extending.lock().await;
         *extending = false;
-        if let Err(e) = self.change_visibility(msg, secs).await {
+        let timeout = self.options.call_timeout;
+        if let Err(e) = self.change_visibility(msg, secs, timeout).await {
             RunnerStats::count(&self.stats.visibility_failures, m::VISIBILITY_FAILURES, 1);
             tracing::warn!(error = %e, "could not set the retry visibility: the message comes back when its current visibility passes");
         }
@@ -289,6 +296,12 @@ pub(crate) enum Change {
 }
 
 impl<H, C, R> Common<H, C, R> {
+    /// How long an extension waits for its answer: `call_timeout`, but no longer than the
+    /// interval, so that the next one comes before the visibility runs out.
+    fn extension_timeout(&self) -> Duration {
+        self.options.call_timeout.min(self.extend_every)
+    }
+
     /// Makes `messages` visible again after `visibility` seconds, unprocessed (the rest of a FIFO
     /// group behind a retry, the rest of a group at shutdown, or what a receive returned after the
     /// shutdown began).
@@ -332,7 +345,11 @@ impl<H, C, R> Common<H, C, R> {
                 .queue_url(&*self.queue_url)
                 .set_entries(Some(entries))
                 .send();
-            let sent = call::bounded(self.options.call_timeout, request).await;
+            let timeout = match change {
+                Change::Release => self.options.call_timeout,
+                Change::Extend => self.extension_timeout(),
+            };
+            let sent = call::bounded(timeout, request).await;
             match sent {
                 Ok(out) => {
                     let done = out.successful().len() as u64;

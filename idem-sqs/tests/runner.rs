@@ -283,11 +283,12 @@ async fn a_dead_letter_refused_as_too_large_goes_without_the_original_attributes
     assert_eq!(counts(&sqs, &queue).await, (0, 0));
 }
 
-/// An SQS call that never answers (the SDK bounds none unless the client's config says so) times
-/// out after `call_timeout`, and the runner goes on once SQS answers again. Before, the receive
-/// in flight never returned and the runner received nothing more, logging nothing.
+/// A receive SQS never answers (the SDK bounds no call unless the client's config says so) times
+/// out after `wait_time` plus `call_timeout`, and the runner goes on once SQS answers again.
+/// Before, the receive in flight never returned and the runner received nothing more, logging
+/// nothing. (The other calls go through the same `bounded`, which `call::tests` checks.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn calls_sqs_never_answers_time_out_and_the_runner_goes_on() {
+async fn a_receive_sqs_never_answers_times_out_and_the_runner_goes_on() {
     if !localstack() {
         return;
     }
