@@ -98,6 +98,8 @@ pub const COMPACT_TEXT: usize = 256;
 /// ```
 /// use idem_executor::broker::{COMPACT_TEXT, Fit, MAX_HEADER_TEXT};
 ///
+/// assert_eq!(Fit::first(true), Fit::Whole);
+/// assert_eq!(Fit::first(false), Fit::WithoutOriginals);
 /// assert_eq!(Fit::Whole.smaller(), Some(Fit::WithoutOriginals));
 /// assert_eq!(Fit::WithoutOriginals.smaller(), Some(Fit::Compact));
 /// assert_eq!(Fit::Compact.smaller(), None);
@@ -117,6 +119,17 @@ pub enum Fit {
 }
 
 impl Fit {
+    /// The form a dead letter is first sent in: [`Whole`](Self::Whole) when the message has
+    /// headers (or attributes) of its own, else [`WithoutOriginals`](Self::WithoutOriginals)
+    /// (there is nothing to leave out).
+    pub fn first(has_own_headers: bool) -> Self {
+        if has_own_headers {
+            Self::Whole
+        } else {
+            Self::WithoutOriginals
+        }
+    }
+
     /// The next smaller form, if any.
     pub fn smaller(self) -> Option<Self> {
         match self {

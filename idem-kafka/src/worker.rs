@@ -454,11 +454,7 @@ where
     /// between tries; stops (abandoning the record) on revocation or shutdown.
     async fn dead_letter_until_written(&self, msg: &KafkaMessage, info: &DeadLetterInfo) -> Next {
         // Kept between tries: a form refused as too large is not tried again.
-        let mut fit = if msg.headers().is_some_and(|h| h.count() > 0) {
-            Fit::Whole
-        } else {
-            Fit::WithoutOriginals
-        };
+        let mut fit = Fit::first(msg.headers().is_some_and(|h| h.count() > 0));
         loop {
             match self.dead_letter(msg, info, &mut fit).await {
                 Ok(()) => return Next::Continue,

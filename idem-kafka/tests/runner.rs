@@ -1518,35 +1518,29 @@ async fn a_record_over_the_client_default_size_is_dead_lettered() {
     );
 }
 
-/// A dead letter refused as too large with the original headers is written with the runner's
-/// only, naming the others. The limit here is the dead-letter producer's own; a broker's
-/// refusal has the same code.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_letter_too_large_with_the_original_headers_goes_without_them() {
-    use idem_kafka::rdkafka::ClientConfig;
-    use idem_kafka::rdkafka::message::Message as _;
-    if !kafka_and_redis() {
-        return;
-    }
-    init_tracing();
-    let topic = unique("large-headers");
+/// Runs `rec` (on partition 0 of a new topic named from `name`) through a runner whose
+/// dead-letter producer takes records of at most 23,000 bytes, its handler failing (`fail`) or
+/// not; asserts the record was dead-lettered once and its offset committed, and returns the dead
+/// letter.
+async fn dead_letter_under_a_23_000_byte_limit(
+    name: &str,
+    rec: Rec,
+    fail: bool,
+) -> idem_kafka::rdkafka::message::OwnedMessage {
+    let topic = unique(name);
     let group = unique("g");
     create_topic(&topic, 1).await;
     create_topic(&format!("{topic}.dlq"), 1).await;
-    let mut rec = Rec::keyed(0, "big", "x".repeat(20_000));
-    rec.headers.push(("blob".into(), "y".repeat(5_000)));
     let ends = ends(&produce(&topic, &[rec]).await);
-
-    // 23,000 bytes: the value and the runner's headers fit, not with the original ones too.
-    let mut producer_config = ClientConfig::new();
+    let mut producer_config = idem_kafka::rdkafka::ClientConfig::new();
     producer_config
         .set("bootstrap.servers", brokers())
         .set("message.max.bytes", "23000");
-    let (stats, dlq) = run_and_read_dead_letters(
+    let (stats, mut dlq) = run_and_read_dead_letters(
         &topic,
         &group,
-        "large-headers",
-        true,
+        name,
+        fail,
         Some(producer_config),
         (1, Duration::from_secs(30)),
         1,
@@ -1555,7 +1549,23 @@ async fn a_dead_letter_too_large_with_the_original_headers_goes_without_them() {
     assert_eq!(stats.dead_lettered(), 1, "{stats:?}");
     assert_eq!(committed(&group, &topic, 1), ends);
     assert_eq!(dlq.len(), 1);
-    let d = &dlq[0];
+    dlq.remove(0)
+}
+
+/// A dead letter refused as too large with the original headers is written with the runner's
+/// only, naming the others. The limit here is the dead-letter producer's own; a broker's
+/// refusal has the same code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_too_large_with_the_original_headers_goes_without_them() {
+    use idem_kafka::rdkafka::message::Message as _;
+    if !kafka_and_redis() {
+        return;
+    }
+    init_tracing();
+    // 23,000 bytes: the value and the runner's headers fit, not with the original ones too.
+    let mut rec = Rec::keyed(0, "big", "x".repeat(20_000));
+    rec.headers.push(("blob".into(), "y".repeat(5_000)));
+    let d = &dead_letter_under_a_23_000_byte_limit("large-headers", rec, true).await;
     assert_eq!(d.payload().map(<[u8]>::len), Some(20_000));
     assert_eq!(header(d, "blob"), None);
     assert_eq!(
@@ -1571,43 +1581,18 @@ async fn a_dead_letter_too_large_with_the_original_headers_goes_without_them() {
 /// Before, it was refused every time and the partition stalled on the record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_still_too_large_goes_with_its_texts_cut_short() {
-    use idem_kafka::rdkafka::ClientConfig;
     use idem_kafka::rdkafka::message::Message as _;
     if !kafka_and_redis() {
         return;
     }
     init_tracing();
-    let topic = unique("large-key");
-    let group = unique("g");
-    create_topic(&topic, 1).await;
-    create_topic(&format!("{topic}.dlq"), 1).await;
-    let key = "k".repeat(10_000);
     let rec = Rec {
         partition: 0,
         key: Some("short".into()),
         value: "x".repeat(20_000),
-        headers: vec![("idempotency-key".into(), key)],
+        headers: vec![("idempotency-key".into(), "k".repeat(10_000))],
     };
-    let ends = ends(&produce(&topic, &[rec]).await);
-
-    let mut producer_config = ClientConfig::new();
-    producer_config
-        .set("bootstrap.servers", brokers())
-        .set("message.max.bytes", "23000");
-    let (stats, dlq) = run_and_read_dead_letters(
-        &topic,
-        &group,
-        "large-key",
-        false,
-        Some(producer_config),
-        (1, Duration::from_secs(30)),
-        1,
-    )
-    .await;
-    assert_eq!(stats.dead_lettered(), 1, "{stats:?}");
-    assert_eq!(committed(&group, &topic, 1), ends);
-    assert_eq!(dlq.len(), 1);
-    let d = &dlq[0];
+    let d = &dead_letter_under_a_23_000_byte_limit("large-key", rec, false).await;
     assert_eq!(d.payload().map(<[u8]>::len), Some(20_000));
     assert_eq!(
         header(d, idem_kafka::HEADER_REASON).as_deref(),

@@ -871,11 +871,7 @@ where
                 .dead_letter_attempts(info, key_id.as_deref())
                 .await
         };
-        let mut fit = if msg.headers().is_some_and(|h| !h.is_empty()) {
-            Fit::Whole
-        } else {
-            Fit::WithoutOriginals
-        };
+        let mut fit = Fit::first(msg.headers().is_some_and(|h| !h.is_empty()));
         let headers_for = |fit| {
             dead_letter::headers(
                 msg,

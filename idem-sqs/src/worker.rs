@@ -234,11 +234,7 @@ where
             .execution
             .dead_letter_attempts(info, key_id.as_deref())
             .await;
-        let mut fit = if msg.attributes().is_some_and(|a| !a.is_empty()) {
-            Fit::Whole
-        } else {
-            Fit::WithoutOriginals
-        };
+        let mut fit = Fit::first(msg.attributes().is_some_and(|a| !a.is_empty()));
         let attributes_for =
             |fit| dead_letter::attributes(msg, info, attempts, key_id.as_deref(), fit);
         let mut attributes = attributes_for(fit);
