@@ -144,13 +144,19 @@ impl Fit {
         self == Self::Whole
     }
 
+    /// How long, in bytes, this form lets [`HEADER_ERROR`] and [`HEADER_KEY`] be:
+    /// [`MAX_HEADER_TEXT`], or [`COMPACT_TEXT`] in the compact form.
+    pub fn limit(self) -> usize {
+        match self {
+            Self::Compact => COMPACT_TEXT,
+            Self::Whole | Self::WithoutOriginals => MAX_HEADER_TEXT,
+        }
+    }
+
     /// `text` as this form writes it: [`header_text`], or cut to [`COMPACT_TEXT`] bytes (on a
     /// character boundary, ending with `…`) in the compact form.
     pub fn cut(self, text: &str) -> std::borrow::Cow<'_, str> {
-        match self {
-            Self::Compact => idem_core::fit_text(text, COMPACT_TEXT),
-            Self::Whole | Self::WithoutOriginals => header_text(text),
-        }
+        idem_core::fit_text(text, self.limit())
     }
 }
 

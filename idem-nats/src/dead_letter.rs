@@ -70,6 +70,31 @@ pub fn unescape(value: &str) -> String {
     out
 }
 
+/// `text` as a dead letter in form `fit` writes it into a header: a NUL as `\0`, then
+/// [`escape`]d, then cut on a character boundary to the form's limit ([`Fit::limit`]), ending
+/// with `…`. The cut comes after the escaping, so the value the server gets is within the limit
+/// even for a text of many line breaks, and it never splits an escape sequence in two.
+fn header_value(fit: Fit, text: &str) -> String {
+    let escaped = if text.contains('\0') {
+        escape(&text.replace('\0', "\\0"))
+    } else {
+        escape(text)
+    };
+    if escaped.len() <= fit.limit() {
+        return escaped;
+    }
+    let cut = fit.cut(&escaped);
+    let body = cut.strip_suffix('…').unwrap_or(&cut);
+    // `escape` writes each `\` as the first of two characters: an odd run of them at the end
+    // is a pair cut in two, whose first half goes.
+    let backslashes = body.len() - body.trim_end_matches('\\').len();
+    let body = match backslashes % 2 {
+        1 => &body[..body.len() - 1],
+        _ => body,
+    };
+    format!("{body}…")
+}
+
 /// Header naming (comma-separated, cut as [`HEADER_ERROR`] is) the original headers a dead
 /// letter goes without: present only when, with them, it was over the server's payload limit
 /// (headers count towards it).
@@ -96,7 +121,7 @@ pub(crate) fn headers(
     fit: Fit,
 ) -> HeaderMap {
     let originals = fit.keeps_originals();
-    let cut = |text: &str| escape(&fit.cut(text));
+    let cut = |text: &str| header_value(fit, text);
     let mut headers = HeaderMap::new();
     let mut source_msg_id = None;
     let mut dropped = Vec::new();
@@ -195,6 +220,34 @@ mod tests {
             Some(".billing.0"),
             "stream.consumer.sequence"
         );
+    }
+
+    #[test]
+    fn a_text_is_cut_after_escaping_and_no_escape_is_split() {
+        // 300 line breaks escape to 600 bytes; with one byte before them, the cut at 253 bytes
+        // (256 less the `…`) falls between two escape sequences, without it inside one.
+        for (text, form) in [
+            ("\n".repeat(300), Fit::Compact),
+            (format!("a{}", "\n".repeat(300)), Fit::Compact),
+            ("\\".repeat(5_000), Fit::Whole),
+            (format!("a{}", "\r".repeat(5_000)), Fit::WithoutOriginals),
+            (format!("x\0{}", "\n".repeat(300)), Fit::Compact),
+        ] {
+            let value = header_value(form, &text);
+            assert!(value.len() <= form.limit(), "{} bytes", value.len());
+            let body = value
+                .strip_suffix('…')
+                .expect("cut short, so it ends with …");
+            let back = unescape(body).replace("\\0", "\0");
+            assert!(
+                text.starts_with(&back),
+                "{back:?} is not where the text starts"
+            );
+            assert!(value.len() + 4 >= form.limit(), "cut too short: {value:?}");
+            assert!(!value.contains(['\r', '\n']));
+        }
+        assert_eq!(header_value(Fit::Compact, "a\nb"), "a\\nb");
+        assert_eq!(header_value(Fit::Compact, "a\0b"), "a\\\\0b");
     }
 
     #[test]
