@@ -231,6 +231,15 @@ pub struct ExecutorConfig {
     /// The delay put in retry actions after a retryable failure, a lost lease or a store error
     /// (default [`DEFAULT_RETRY_DELAY`], 1 s).
     pub retry_delay: Duration,
+    /// How much longer each retry of a failing handler waits than the one before, at least 1
+    /// (default 1: every retry waits [`retry_delay`](Self::retry_delay)). After the handler's
+    /// `n`-th attempt failed retryably (or its commit was refused), the retry waits
+    /// `retry_delay × retry_growth^(n-1)` ([`retry_after`](Self::retry_after)): with 2 and the
+    /// defaults, 1 s, 2 s, 4 s, 8 s, so that the default five attempts outlast a 15-second outage
+    /// of what the handler calls, where a constant delay spends them in 4 seconds. A runner
+    /// keeps the delay within its own `min_retry_delay..=max_retry_delay`. A lost lease and a
+    /// store error still wait `retry_delay`: no attempt of the handler failed.
+    pub retry_growth: u32,
     /// Where keys come from (default: the header [`DEFAULT_KEY_HEADER`](crate::DEFAULT_KEY_HEADER),
     /// `idempotency-key`, matched case-sensitively).
     pub key_source: KeySource,
@@ -265,6 +274,7 @@ impl Default for ExecutorConfig {
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             max_result_len: None,
             retry_delay: DEFAULT_RETRY_DELAY,
+            retry_growth: 1,
             key_source: KeySource::default(),
             fingerprint: FingerprintPolicy::default(),
             missing_key: MissingKeyPolicy::default(),
@@ -328,6 +338,34 @@ impl ExecutorConfig {
     pub fn with_retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
         self
+    }
+
+    /// Sets how much longer each retry of a failing handler waits than the one before.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_executor::ExecutorConfig;
+    ///
+    /// let config = ExecutorConfig::new("payments").with_retry_growth(2);
+    /// let waits: Vec<_> = (1..=4).map(|attempt| config.retry_after(attempt)).collect();
+    /// assert_eq!(waits, [1, 2, 4, 8].map(Duration::from_secs));
+    /// ```
+    pub fn with_retry_growth(mut self, growth: u32) -> Self {
+        self.retry_growth = growth;
+        self
+    }
+
+    /// The delay before retrying a message whose handler's attempt `attempt` (1 for the first)
+    /// failed retryably: `retry_delay × retry_growth^(attempt-1)`, at most about 30 years
+    /// (it saturates; a runner caps it at its `max_retry_delay`).
+    pub fn retry_after(&self, attempt: u32) -> Duration {
+        let growth = self
+            .retry_growth
+            .max(1)
+            .saturating_pow(attempt.saturating_sub(1));
+        self.retry_delay
+            .saturating_mul(growth)
+            .min(Duration::from_secs(1 << 30))
     }
 
     /// Sets the key source.
@@ -438,6 +476,12 @@ impl ExecutorConfig {
                 format!(
                     "{wait:?}: max_wait and min_delay must be above zero and min_delay at most max_delay"
                 ),
+            ));
+        }
+        if self.retry_growth == 0 {
+            return Err(ConfigError::new(
+                "retry_growth",
+                "0: it must be at least 1 (1 keeps every retry at retry_delay)",
             ));
         }
         if self.batch.concurrency == 0 {

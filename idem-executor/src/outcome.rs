@@ -39,7 +39,10 @@ pub enum Outcome<T> {
         error: String,
         /// Whether the handler panicked.
         panicked: bool,
-        /// The configured [`retry_delay`](crate::ExecutorConfig::retry_delay).
+        /// How long to wait before the next attempt:
+        /// [`retry_after`](crate::ExecutorConfig::retry_after) of this attempt (the configured
+        /// [`retry_delay`](crate::ExecutorConfig::retry_delay), grown by
+        /// [`retry_growth`](crate::ExecutorConfig::retry_growth) per attempt).
         retry_after: Duration,
     },
     /// The key failed or crashed `attempts` times, the maximum: a poison message. Returned for
@@ -97,8 +100,8 @@ pub enum Outcome<T> {
         /// The recorded error (`nothing committed: ` and why; made storable by
         /// [`Limits::fit_error`](idem_core::Limits::fit_error)).
         error: String,
-        /// The configured [`retry_delay`](crate::ExecutorConfig::retry_delay), used when the
-        /// kind is retryable.
+        /// How long to wait before the next attempt, used when the kind is retryable:
+        /// [`retry_after`](crate::ExecutorConfig::retry_after) of this attempt.
         retry_after: Duration,
     },
     /// The lease was lost to a takeover while the handler ran (it was cancelled), the local lease
@@ -170,12 +173,13 @@ impl<T> Outcome<T> {
     /// |---|---|
     /// | `Executed`, `Replayed`, `NotDeduplicated` that succeeded | `Ack` |
     /// | `InProgress` | `Retry` after the holder's lease |
-    /// | `Retry`, `LeaseLost`, `NotDeduplicated` failed retryably | `Retry` after `retry_delay` |
+    /// | `Retry` | `Retry` after its `retry_after` (`retry_delay`, grown per attempt by `retry_growth`) |
+    /// | `LeaseLost`, `NotDeduplicated` failed retryably | `Retry` after `retry_delay` |
     /// | `Conflict` | `DeadLetter` with [`DeadLetterReason::Conflict`] |
     /// | `Exhausted` | `DeadLetter` with [`DeadLetterReason::Exhausted`] and the last error |
     /// | `Failed`, `NotDeduplicated` failed terminally | `DeadLetter` with [`DeadLetterReason::Failed`] and the error |
     /// | `ResultNotStored` | `DeadLetter` with [`DeadLetterReason::ResultNotStored`] and why |
-    /// | `NotCommitted` retryable | `Retry` after `retry_delay` |
+    /// | `NotCommitted` retryable | `Retry` after its `retry_after`, as `Retry` |
     /// | `NotCommitted` terminal | `DeadLetter` with [`DeadLetterReason::Failed`] and the recorded error |
     ///
     /// A terminal `NotCommitted` dead-letters as `failed`, the code every later delivery of the

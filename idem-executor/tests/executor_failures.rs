@@ -777,3 +777,60 @@ async fn a_panicking_dead_letter_hook_is_caught() {
     assert!(matches!(r, Outcome::Exhausted { attempts: 1, .. }), "{r:?}");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+#[tokio::test]
+async fn each_retry_of_a_failing_handler_waits_retry_growth_times_longer() {
+    let store = MemoryStore::new();
+    let exec = Executor::builder(Arc::new(store.clone()))
+        .config(
+            ExecutorConfig::new("growth")
+                .with_max_attempts(4)
+                .with_retry_delay(Duration::from_millis(100))
+                .with_retry_growth(3),
+        )
+        .build()
+        .unwrap();
+    let m = msg("flaky");
+    for (attempt, wait) in [(1, 100), (2, 300), (3, 900)] {
+        let r = exec
+            .run(&m, |_| async {
+                Err::<(), _>(HandlerError::retryable("down"))
+            })
+            .await
+            .unwrap();
+        let wait = Duration::from_millis(wait);
+        match &r {
+            Outcome::Retry {
+                attempt: a,
+                retry_after,
+                ..
+            } if *a == attempt => assert_eq!(*retry_after, wait, "attempt {attempt}"),
+            other => panic!("attempt {attempt}: {other:?}"),
+        }
+        assert_eq!(r.action(), BrokerAction::Retry { after: wait });
+    }
+    // The fourth attempt is the last: exhausted, not retried.
+    let r = exec
+        .run(&m, |_| async {
+            Err::<(), _>(HandlerError::retryable("down"))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(r, Outcome::Exhausted { attempts: 4, .. }), "{r:?}");
+
+    // The growth saturates instead of overflowing.
+    let config = ExecutorConfig::new("growth").with_retry_growth(u32::MAX);
+    assert!(config.retry_after(u32::MAX) >= config.retry_after(3));
+    assert_eq!(
+        ExecutorConfig::new("growth").retry_after(7),
+        Duration::from_secs(1),
+        "the default keeps every retry at retry_delay"
+    );
+
+    // 0 would make every retry after the first immediate: refused.
+    let e = Executor::builder(Arc::new(store))
+        .config(ExecutorConfig::new("growth").with_retry_growth(0))
+        .build()
+        .unwrap_err();
+    assert_eq!(e.field, "retry_growth", "{e}");
+}

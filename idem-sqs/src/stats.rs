@@ -154,8 +154,10 @@ impl RunnerStats {
         Self::get(&self.receive_errors)
     }
 
-    /// Messages still in process when the drain timed out, given up: made visible again at once
-    /// (their handler had not started) or left to their visibility (dropped).
+    /// What was still in process when the drain timed out, given up: made visible again at once
+    /// (its handler had not started) or left to its visibility (dropped). Counted once per
+    /// message of a standard queue, but once per FIFO group of a receive (the group's messages
+    /// it returned, processed one after another), however many of them were still held.
     pub fn abandoned(&self) -> u64 {
         Self::get(&self.abandoned)
     }

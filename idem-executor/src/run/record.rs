@@ -280,7 +280,7 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
                     kind,
                     attempt: lease.attempt,
                     error,
-                    retry_after: inner.config.retry_delay,
+                    retry_after: inner.config.retry_after(lease.attempt),
                 },
                 (FailureKind::Retryable, None) => {
                     self.count(Counter::RetryableFailures);
@@ -288,7 +288,7 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
                         attempt: lease.attempt,
                         error,
                         panicked,
-                        retry_after: inner.config.retry_delay,
+                        retry_after: inner.config.retry_after(lease.attempt),
                     }
                 }
                 (FailureKind::ResultNotStored, None) => Outcome::ResultNotStored { error },
