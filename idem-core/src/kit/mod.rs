@@ -65,12 +65,15 @@
 //! decides again on what it finds (a `complete` whose write happened and was followed by
 //! another change finds its own completion and answers `Ok` by the replay rule). At most
 //! [`KitOptions::max_ambiguous`] such reloads per call; then, or when the reload itself fails,
-//! the call answers the `Unavailable`. A record carries its token, which no other acquisition
-//! has, and the microsecond of the write, so equal bytes mean the call's own write, or that of a
-//! call with the same effect at the same microsecond (the same transition re-sent by the same
-//! holder, a second delete), which answers the same.
+//! the call answers the `Unavailable`. A record carries its token, which has a random part
+//! (below), and the microsecond of the write, so equal bytes mean the call's own write, or that
+//! of a call with the same effect at the same microsecond (the same transition re-sent by the
+//! same holder, a second delete), which answers the same. Two acquisitions of a key by one
+//! owner in one microsecond write equal bytes but for their tokens, which differ but once in
+//! 2^20 such coincidences.
 //!
-//! **Tokens and tombstones.** A new token is `max(previous + 1, now in microseconds)`, where
+//! **Tokens and tombstones.** A new token is `max(previous + 1, now in microseconds)` plus a
+//! random number of microseconds below 2^20 (about one second), where
 //! `previous` is the token of whatever the key holds: a live record, a record past retention
 //! (read as absent, still counted), or a *tombstone*. [`delete`](crate::IdempotencyStore::delete)
 //! does not remove the key: it stores a 10-byte tombstone holding the record's token, which

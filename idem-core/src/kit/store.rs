@@ -156,12 +156,28 @@ impl<B: CasBackend> KitStore<B> {
     }
 }
 
-/// `max(previous + 1, now in microseconds)`: strictly above the token the key holds (live,
-/// past retention or a tombstone), and above every earlier token once the key's value is gone,
-/// as long as the clock has not stepped back by more than the tombstone time.
+/// How far, in microseconds, a new token is put past `max(previous + 1, now)`: at random below
+/// this (2^20 µs, about one second).
+pub(crate) const TOKEN_SPREAD: u64 = 1 << 20;
+
+/// `max(previous + 1, now in microseconds)`, plus a random `0..TOKEN_SPREAD`: strictly above
+/// the token the key holds (live, past retention or a tombstone), and above every earlier token
+/// once the key's value is gone, as long as the clock has not stepped back by more than the
+/// tombstone time.
+///
+/// The random part is what makes the check after an ambiguous write sound (`update`: the key
+/// holding exactly the bytes written means the write happened): without it, two acquisitions
+/// of a key by one owner in the same microsecond write equal bytes, and one whose write failed
+/// would take the other's record for its own and answer `Acquired` too, both holders passing
+/// the fence. With it they differ but once in 2^20 such coincidences.
 fn next_token(previous: Option<FencingToken>, now: SystemTime) -> FencingToken {
+    next_token_from(previous, now, rand::random_range(0..TOKEN_SPREAD))
+}
+
+/// [`next_token`] with its random part given.
+fn next_token_from(previous: Option<FencingToken>, now: SystemTime, spread: u64) -> FencingToken {
     let after = previous.map_or(1, |t| t.get().saturating_add(1));
-    FencingToken::new(after.max(micros(now)))
+    FencingToken::new(after.max(micros(now)).saturating_add(spread))
 }
 
 #[async_trait]
@@ -388,10 +404,31 @@ mod tests {
     #[test]
     fn tokens_rise_over_the_previous_and_follow_the_clock() {
         let t = SystemTime::UNIX_EPOCH + Duration::from_micros(1_000);
-        assert_eq!(next_token(None, t).get(), 1_000);
-        assert_eq!(next_token(Some(FencingToken::new(5)), t).get(), 1_000);
-        assert_eq!(next_token(Some(FencingToken::new(1_000)), t).get(), 1_001);
-        assert_eq!(next_token(Some(FencingToken::new(9_999)), t).get(), 10_000);
-        assert_eq!(next_token(None, SystemTime::UNIX_EPOCH).get(), 1);
+        let token = |previous: Option<u64>, now, spread| {
+            next_token_from(previous.map(FencingToken::new), now, spread).get()
+        };
+        assert_eq!(token(None, t, 0), 1_000);
+        assert_eq!(token(Some(5), t, 0), 1_000);
+        assert_eq!(token(Some(1_000), t, 0), 1_001);
+        assert_eq!(token(Some(9_999), t, 0), 10_000);
+        assert_eq!(token(None, SystemTime::UNIX_EPOCH, 0), 1);
+        assert_eq!(token(Some(9_999), t, 7), 10_007);
+        assert_eq!(token(Some(u64::MAX - 1), t, 7), u64::MAX, "saturates");
+    }
+
+    #[test]
+    fn two_acquisitions_in_one_microsecond_get_different_tokens() {
+        let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let tokens: std::collections::HashSet<u64> =
+            (0..64).map(|_| next_token(None, t).get()).collect();
+        // 64 draws of 2^20 collide with a chance of about 1 in 500: more than one equal pair
+        // would be a broken spread.
+        assert!(tokens.len() >= 63, "{} distinct of 64", tokens.len());
+        let base = micros(t);
+        assert!(
+            tokens
+                .iter()
+                .all(|&k| (base..base + TOKEN_SPREAD).contains(&k))
+        );
     }
 }
