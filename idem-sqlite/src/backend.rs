@@ -201,17 +201,27 @@ impl SqliteBackend {
     /// the options' busy timeout and durability, the table. Blocks: call it from
     /// [`SqliteStore::open_with`](crate::SqliteStore::open_with), or on a blocking thread.
     pub(crate) fn open_blocking(path: &Path, options: SqliteOptions) -> Result<Self> {
-        with_busy_timeout(options.busy_timeout, || Self::open_here(path, options))
+        let path = database_file(path)?;
+        with_busy_timeout(options.busy_timeout, || Self::open_here(&path, options))
     }
 
+    /// Opens `path`, which [`database_file`] made absolute.
     fn open_here(path: &Path, options: SqliteOptions) -> Result<Self> {
         let writer = connect(path, &options, options.create).map_err(classify)?;
+        // Read connections are opened later, on demand: they open the file the write
+        // connection opened, by the full path SQLite resolved for it (symbolic links resolved),
+        // so that neither the working directory nor a link changed since can send them
+        // elsewhere.
+        let path = writer
+            .path()
+            .filter(|opened| !opened.is_empty())
+            .map_or_else(|| path.to_owned(), PathBuf::from);
         // SQLite opens a file it may not write read-only, without a word: every write would
         // then fail, while duplicates still answered.
         if writer.is_readonly(rusqlite::MAIN_DB).map_err(classify)? {
-            return Err(read_only(path));
+            return Err(read_only(&path));
         }
-        use_wal(&writer, options.busy_timeout).map_err(classify)?;
+        use_wal(&writer, &path, options.busy_timeout)?;
         let found: Option<String> = writer
             .query_row(
                 "SELECT name FROM sqlite_schema WHERE type = 'table' AND name = ?1",
@@ -232,7 +242,7 @@ impl SqliteBackend {
         }
         Ok(Self {
             shared: Arc::new(Shared {
-                path: path.to_owned(),
+                path,
                 options,
                 writer: parking_lot::Mutex::new(writer),
                 readers: Mutex::default(),
@@ -242,7 +252,9 @@ impl SqliteBackend {
         })
     }
 
-    /// The database file.
+    /// The database file, as an absolute path: the file `open` opened, with symbolic links
+    /// resolved (as SQLite opened it). Every connection of the backend opens this path, so a
+    /// later change of the working directory does not move them.
     pub fn path(&self) -> &Path {
         &self.shared.path
     }
@@ -259,7 +271,8 @@ impl SqliteBackend {
         self.shared.statements.load(Ordering::Relaxed)
     }
 
-    /// Runs `f` on a read connection, on the blocking pool.
+    /// Runs `f` on a read connection, off the async scheduling as [`SqliteOptions::offload`]
+    /// says (in place on the calling worker thread by default).
     async fn read<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
@@ -283,7 +296,8 @@ impl SqliteBackend {
         .await
     }
 
-    /// Runs `f` on the write connection, on the blocking pool.
+    /// Runs `f` on the write connection, off the async scheduling as
+    /// [`SqliteOptions::offload`] says (in place on the calling worker thread by default).
     async fn write<T, F>(&self, f: F) -> Result<T>
     where
         T: Send + 'static,
@@ -313,6 +327,64 @@ impl SqliteBackend {
         })
         .await
     }
+}
+
+/// The absolute path of the database file `path` names, so that every connection (the write
+/// connection now, read connections later, on demand) opens the same file whatever the working
+/// directory is by then. Refuses what is not one file that all connections share: an empty
+/// path and `:memory:` (each SQLite connection would get a private database of its own) and
+/// SQLite URIs (`file:...`, in-memory ones included: a relative URI would follow the working
+/// directory, and no option of a URI is needed).
+fn database_file(path: &Path) -> Result<PathBuf> {
+    let given = path.as_os_str().as_encoded_bytes();
+    const SHARED: &str = "the store's connections (one writer, several readers, opened as \
+                          needed) must all open one database file";
+    if given.is_empty() {
+        return Err(Error::invalid(
+            "path",
+            format!(
+                "an empty path gives each SQLite connection a private temporary database of \
+                 its own; {SHARED}: give the path of a file"
+            ),
+        ));
+    }
+    if given == b":memory:" {
+        return Err(Error::invalid(
+            "path",
+            format!(
+                "\":memory:\" gives each SQLite connection a private in-memory database of its \
+                 own; {SHARED}: give the path of a file (for a file of that name, \"./:memory:\")"
+            ),
+        ));
+    }
+    if given.starts_with(b"file:") {
+        let memory = given.windows(8).any(|w| w == b":memory:")
+            || given.windows(11).any(|w| w == b"mode=memory");
+        let what = if memory {
+            "is an in-memory SQLite URI: SQLite keeps no file for it, and a private database \
+             for each connection unless its cache is shared (then no WAL mode)"
+        } else {
+            "is a SQLite URI, which the store does not take (a relative one would follow the \
+             working directory)"
+        };
+        return Err(Error::invalid(
+            "path",
+            format!(
+                "{} {what}; {SHARED}: give the path of a file (for a file whose name starts \
+                 with \"file:\", \"./file:...\")",
+                path.display()
+            ),
+        ));
+    }
+    std::path::absolute(path).map_err(|e| {
+        Error::unavailable(
+            NAME,
+            format!(
+                "cannot make {} an absolute path (the working directory: {e})",
+                path.display()
+            ),
+        )
+    })
 }
 
 fn read_only(path: &Path) -> Error {
@@ -395,18 +467,37 @@ fn connect(path: &Path, options: &SqliteOptions, create: bool) -> rusqlite::Resu
 /// handler (SQLite does not wait where waiting could deadlock): it is tried again after short
 /// pauses until `timeout` has passed. (6 connections opening one new file at once: 13 of 1,800
 /// opens failed with "database is locked" before.)
-fn use_wal(conn: &Connection, timeout: Duration) -> rusqlite::Result<()> {
+///
+/// SQLite answers the pragma with the journal mode the database is in afterwards, and leaves
+/// the old one, without an error, where it cannot use WAL (an in-memory or temporary database,
+/// a VFS without shared memory): then the store refuses the file ([`Error::Backend`]) rather
+/// than run without WAL, where readers would wait for writers.
+fn use_wal(conn: &Connection, path: &Path, timeout: Duration) -> Result<()> {
     let pauses = ExponentialBuilder::new()
         .with_min_delay(Duration::from_micros(100))
         .with_max_delay(Duration::from_millis(10))
         .with_total_delay(Some(timeout))
         .without_max_times()
         .with_jitter();
-    (|| conn.pragma_update(None, "journal_mode", "WAL"))
-        .retry(pauses)
-        .sleep(std::thread::sleep)
-        .when(|e| e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy))
-        .call()
+    let mode = (|| {
+        conn.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get::<_, String>(0))
+    })
+    .retry(pauses)
+    .sleep(std::thread::sleep)
+    .when(|e| e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy))
+    .call()
+    .map_err(classify)?;
+    if mode.eq_ignore_ascii_case("wal") {
+        return Ok(());
+    }
+    Err(Error::backend(
+        NAME,
+        format!(
+            "{} cannot be put in WAL mode: SQLite left its journal mode {mode:?}, and the store \
+             needs WAL (readers that do not wait for the writer, processes that share the file)",
+            path.display()
+        ),
+    ))
 }
 
 /// The smallest byte string above every string that starts with `prefix`; `None` when there is
@@ -522,6 +613,29 @@ mod tests {
         assert_eq!(prefix_end(b"a\xff"), Some(b"b".to_vec()));
         assert_eq!(prefix_end(b"\xff\xff"), None);
         assert_eq!(prefix_end(b""), None);
+    }
+
+    /// SQLite answers `journal_mode=WAL` on a database that cannot use WAL with the mode it
+    /// keeps, without an error; `use_wal` reads the answer and refuses it.
+    #[test]
+    fn a_database_that_stays_out_of_wal_mode_is_refused() {
+        let conn = Connection::open_in_memory().unwrap();
+        let r = use_wal(&conn, Path::new("/in/memory"), Duration::from_millis(100));
+        match r {
+            Err(e @ Error::Backend { store: NAME, .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("/in/memory cannot be put in WAL mode")
+                        && text.contains("\"memory\""),
+                    "{text}"
+                );
+            }
+            other => panic!("expected Backend, got {other:?}"),
+        }
+        let file = tempfile::tempdir().unwrap();
+        let path = file.path().join("wal.db");
+        let conn = Connection::open(&path).unwrap();
+        use_wal(&conn, &path, Duration::from_millis(100)).unwrap();
     }
 
     #[test]

@@ -46,11 +46,32 @@ pub enum Offload {
     /// panics, before any statement runs (nothing is written), and gives no way to tell
     /// beforehand. A consumer that runs its handlers in a `LocalSet` opens the store with
     /// [`Offload::BlockingPool`].
+    ///
+    /// A timeout around a call cannot cut it short. The call blocks the task that makes it
+    /// until its statements are done, so `tokio::time::timeout(d, store.release(&lease))`
+    /// looks at its clock only once the call has ended, and then answers the call's own result,
+    /// however short `d` is. While another process holds the write lock, a call that writes
+    /// answers [`Error::Unavailable`](idem_core::Error::Unavailable) only after about twice the
+    /// busy timeout: its write waits the busy timeout, and once it is refused the kit loads the
+    /// key again and writes once more ([`KitOptions::max_ambiguous`] 1). Calls that one task
+    /// makes at once (`join!`, `join_all`) run one after another, each sent when the one before
+    /// has answered. So where idem's executor bounds a store call with a timeout (releasing the
+    /// lease of a handler that never started), the call can take about twice the busy timeout,
+    /// whatever that timeout; and its heartbeat, which extends the leases in flight from one
+    /// task, extends them in turn, each taking up to about twice the busy timeout: with many
+    /// leases in flight, the last ones may expire before their extends are sent (their
+    /// handlers are then cancelled at their lease deadlines). Where a timeout must bound each
+    /// call, use [`Offload::BlockingPool`], or a busy timeout small enough that twice it fits
+    /// the timeout (and, times the leases in flight, the heartbeat's margin before a lease
+    /// ends).
     #[default]
     InPlace,
     /// Always [`tokio::task::spawn_blocking`]: every statement hops to tokio's blocking pool
     /// and back (about 15 us per statement on a small machine), and nothing of the caller's
-    /// task waits on it.
+    /// task waits on it: a timeout around a call fires on time, and calls one task makes at
+    /// once wait together. A call cut short by a timeout leaves its statement to run to its
+    /// end on the blocking pool, so its write may still take effect (as after any
+    /// `Unavailable`).
     BlockingPool,
 }
 
@@ -67,8 +88,10 @@ pub struct SqliteOptions {
     /// (or a checkpoint) holds (SQLite's `busy_timeout`), and before it the process's one write
     /// connection, where writes queue behind each other. The time spent in that queue counts
     /// against the same timeout, so however many writes are queued, each gives up about one
-    /// timeout after it was sent (a write whose timeout went in the queue still tries once).
-    /// Default 5 s.
+    /// timeout after it was sent (a write whose timeout went in the queue still tries once). A
+    /// call whose write is refused loads the key again and writes once more, so it answers
+    /// `Unavailable` after up to about twice the timeout (and under [`Offload::InPlace`], a
+    /// timeout around the call cannot end it sooner). Default 5 s.
     pub busy_timeout: Duration,
     /// Durability of each commit. Default [`Synchronous::Full`].
     pub synchronous: Synchronous,

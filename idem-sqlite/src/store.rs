@@ -18,8 +18,11 @@ use crate::options::SqliteOptions;
 /// ([`KitStore`]) over [`SqliteBackend`]. See the [crate docs](crate) for costs, clock,
 /// errors and durability.
 ///
-/// Cloning is cheap and shares the connections. Needs a tokio runtime (statements run on its
-/// blocking pool).
+/// Cloning is cheap and shares the connections. Needs a tokio runtime: statements run in place
+/// on the calling worker thread ([`Offload::InPlace`](crate::Offload::InPlace), the default, on
+/// a multi-thread runtime) or on its blocking pool
+/// ([`Offload::BlockingPool`](crate::Offload::BlockingPool)), as [`SqliteOptions::offload`]
+/// says.
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     kit: KitStore<SqliteBackend>,
@@ -27,12 +30,20 @@ pub struct SqliteStore {
 
 impl SqliteStore {
     /// Opens the database at `path` with the default [`SqliteOptions`]: the file and the table
-    /// are created when missing.
+    /// are created when missing, and the file is put in WAL mode (for good: the mode is kept in
+    /// the file, for every program that opens it).
+    ///
+    /// A relative `path` is made absolute against the working directory at the time of the
+    /// call: every connection of the store (read connections are opened later, on demand) opens
+    /// that file, wherever the process moves afterwards.
     ///
     /// # Errors
+    /// [`Error::InvalidInput`] (field `path`) for an empty path, `:memory:` or a SQLite URI
+    /// (`file:...`): each connection to an empty path or `:memory:` gets a private database
+    /// of its own, where the store's connections must share one file.
     /// [`Error::Unavailable`] when the file cannot be opened or created (its directory is
-    /// missing, no permission) or stays locked past the busy timeout; [`Error::Backend`] when
-    /// it is not a database.
+    /// missing, no permission), can only be read, or stays locked past the busy timeout;
+    /// [`Error::Backend`] when it is not a database, or SQLite leaves it out of WAL mode.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
         Self::open_with(path, SqliteOptions::default()).await
     }

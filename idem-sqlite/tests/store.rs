@@ -2,7 +2,7 @@
 //! reopen, WAL mode, a locked database, writes queued behind a lock, a missing table, a table of
 //! another shape, files and values that are not ours,
 //! whether opening created the table, a cursor only when a record follows, one new file opened
-//! by several connections at once.
+//! by several connections at once, paths that name no file all connections share.
 
 mod common;
 
@@ -15,7 +15,7 @@ use idem_core::{
     AcquireOutcome, AcquireRequest, Bytes, Error, IdempotencyKey, IdempotencyStore, Lease,
     ListQuery, ManualClock, Namespace,
 };
-use idem_sqlite::{SqliteOptions, SqliteStore, Synchronous};
+use idem_sqlite::{Offload, SqliteOptions, SqliteStore, Synchronous};
 use rusqlite::Connection;
 
 const RETENTION: Duration = Duration::from_secs(3600);
@@ -229,6 +229,56 @@ async fn writes_queued_behind_a_held_lock_each_give_up_within_the_busy_timeout()
     }
 }
 
+/// What the docs of `Offload` say: in place, a statement blocks the task that makes the call, so
+/// a `tokio::time::timeout` around the call cannot fire before the call ends (it then answers
+/// the call's own result), and calls one task makes at once (`join_all`) run one after another;
+/// on the blocking pool, the timeout fires on time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_place_a_timeout_cannot_cut_a_call_short_and_one_tasks_calls_run_in_turn() {
+    let timeout = Duration::from_millis(100);
+    for offload in [Offload::InPlace, Offload::BlockingPool] {
+        let path = db_path("offload");
+        let options = SqliteOptions::default()
+            .with_busy_timeout(timeout)
+            .with_offload(offload);
+        let store = SqliteStore::open_with(&path, options).await.unwrap();
+        let leases = [
+            acquired(&store, "a", "w").await,
+            acquired(&store, "b", "w").await,
+        ];
+        // Another process holds the write lock.
+        let other = Connection::open(&path).unwrap();
+        other.execute_batch("BEGIN IMMEDIATE").unwrap();
+
+        let started = Instant::now();
+        let r = tokio::time::timeout(Duration::from_millis(10), store.release(&leases[0])).await;
+        let waited = started.elapsed();
+        match offload {
+            // A write, a reload, one more write: about twice the busy timeout.
+            Offload::InPlace => {
+                assert!(matches!(r, Ok(Err(Error::Unavailable { .. }))), "{r:?}");
+                assert!(waited >= timeout * 2, "{waited:?}");
+            }
+            _ => assert!(r.is_err(), "the timeout fired: {r:?}"),
+        }
+
+        let started = Instant::now();
+        let extends = leases
+            .iter()
+            .map(|lease| store.extend(lease, Duration::from_secs(30)));
+        for r in futures::future::join_all(extends).await {
+            assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+        }
+        let waited = started.elapsed();
+        if offload == Offload::InPlace {
+            // Each about twice the busy timeout, in turn (on the blocking pool, about twice
+            // the busy timeout together).
+            assert!(waited >= timeout * 4, "in turn: {waited:?}");
+        }
+        other.execute_batch("ROLLBACK").unwrap();
+    }
+}
+
 /// The `CREATE TABLE` of each table of another shape, and the schema SQLite keeps for it.
 fn schema(path: &std::path::Path) -> Vec<String> {
     let conn = Connection::open(path).unwrap();
@@ -344,6 +394,32 @@ async fn a_missing_table_is_not_set_up() {
         .unwrap();
     let r = store.get(&key("k")).await;
     assert!(matches!(r, Err(Error::NotSetUp { .. })), "{r:?}");
+}
+
+/// Each SQLite connection to `""` or `:memory:` gets a private database of its own: the store's
+/// write connection and read connections would not share one (every call failed with
+/// `NotSetUp`). SQLite URIs are not taken either (a relative one would follow the working
+/// directory).
+#[tokio::test]
+async fn in_memory_and_empty_paths_and_uris_are_refused() {
+    for (path, says) in [
+        ("", "private temporary database"),
+        (":memory:", "private in-memory database"),
+        ("file::memory:", "in-memory SQLite URI"),
+        ("file:idem?mode=memory&cache=shared", "in-memory SQLite URI"),
+        ("file:idem.db", "is a SQLite URI"),
+    ] {
+        match SqliteStore::open(path).await {
+            Err(e @ Error::InvalidInput { field: "path", .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains(says) && text.contains("must all open one database file"),
+                    "{path:?}: {text}"
+                );
+            }
+            other => panic!("{path:?}: expected InvalidInput, got {other:?}"),
+        }
+    }
 }
 
 #[tokio::test]
