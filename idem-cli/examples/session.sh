@@ -11,7 +11,7 @@ rm -f /tmp/idem-demo.db
 psql -q -h 127.0.0.1 -U postgres test -c 'DROP SCHEMA IF EXISTS idem_ops CASCADE' >/dev/null 2>&1
 export AWS_ACCESS_KEY_ID=local AWS_SECRET_ACCESS_KEY=local
 for u in redis://127.0.0.1:6379 'postgres://postgres@127.0.0.1:5432/test?schema=idem_ops' 'dynamodb://idem-ops?endpoint=http://127.0.0.1:8000&region=us-east-1'; do
-  idem --store "$u" delete payments order-1001 order-1002 order-1003 order-1004 order-1005 order-1006 order-1007 --yes >/dev/null 2>&1
+  idem --store "$u" delete payments order-1001 order-1002 order-1003 order-1004 order-1005 order-1006 order-1007 --include-live --yes >/dev/null 2>&1
 done
 show() { echo "\$ $*"; eval "$@" 2>&1; }
 comment() { echo; echo "# $*"; }
@@ -38,11 +38,13 @@ show "idem list payments --status lease_expired,exhausted --json"
 comment "What did the poison message fail with, what did order-1002 store?"
 show "idem get payments order-1005"
 show "idem get payments order-1002"
-comment "Give back the crashed worker's lease (dry run first), delete the poison message."
+comment "Give back the crashed worker's lease (dry run first), delete the poison message; a live"
+echo "# lease is left alone."
 show "idem release-stuck payments --older-than 1s; echo \"exit \$?\""
 show "idem release-stuck payments --older-than 1s --dry-run"
 show "idem release-stuck payments --older-than 1s --yes"
 show "idem delete payments order-1005 --yes"
+show "idem delete payments order-1006 --yes; echo \"exit \$?\""
 show "idem get payments order-1005; echo \"exit \$?\""
 show "idem list payments --limit 3"
 comment "The same questions on Redis, PostgreSQL and DynamoDB, each with its own listing."

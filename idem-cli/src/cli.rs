@@ -26,7 +26,8 @@ Exit codes:
   0  done
   1  not found: a record named on the command line does not exist (or is past retention)
   2  bad usage: a bad argument or store URL, a command the store does not offer (listing on a
-     store without one), or a destructive command refused without --yes and without a terminal
+     store without one), a destructive command refused without --yes and without a terminal,
+     or a delete that left records with a live lease alone (without --include-live)
   3  store unavailable: unreachable, or no answer within --timeout
   4  store error: the store answered with an error (not set up, a record it cannot decode, a
      server error), or the output could not be written";
@@ -114,12 +115,18 @@ pub(crate) enum Command {
 
     /// Delete records: the ids given, or every record matching the filters.
     ///
-    /// Shows what it is about to delete and asks for confirmation, unless --yes; without a
-    /// terminal on standard input it refuses unless --yes. With filters, each record is read
-    /// again just before it is deleted and skipped (`changed`) when it no longer matches. Tokens
-    /// keep rising after a delete: the next acquire of the key gets a higher token. Deleting a
-    /// record in progress fences its holder (its later transitions fail with a lost lease).
-    /// Exit code 1 when an id given does not exist.
+    /// Shows what it is about to delete, with each record's status, and asks for
+    /// confirmation, unless --yes; without a terminal on standard input it refuses unless
+    /// --yes. Each record is read again just before it is deleted and skipped when it carries
+    /// another token (`taken_over`), another state or no longer matches the filters
+    /// (`changed`); a change in the one round trip between that read and the delete is not
+    /// caught (the store has no delete conditional on the token). Records whose lease is live
+    /// (status in_progress) are not deleted (`refused_live`, exit code 2) unless
+    /// --include-live. Tokens keep rising after a delete: the next acquire of the key gets a
+    /// higher token. Deleting a record in progress fences its holder (its later transitions
+    /// fail with a lost lease), but only after its effect: a redelivery may run the handler
+    /// again meanwhile. Deleting also resets the attempt count. Exit code 1 when an id given
+    /// does not exist.
     Delete {
         /// The namespace.
         namespace: String,
@@ -128,6 +135,11 @@ pub(crate) enum Command {
         ids: Vec<String>,
         #[command(flatten)]
         filters: Filters,
+        /// Delete records whose lease is live (status in_progress) too: their holder may be
+        /// running the handler right now, and a redelivery can then run it again (the holder is
+        /// fenced only when it finishes). Without it they are left alone (`refused_live`).
+        #[arg(long)]
+        include_live: bool,
         #[command(flatten)]
         safety: Safety,
     },
@@ -139,8 +151,9 @@ pub(crate) enum Command {
     /// holds (its owner and fencing token), after reading it again: a lease renewed or taken
     /// over since the listing is skipped, and the token fences the release itself, so a key
     /// another worker acquired meanwhile is never touched. A release does not count the
-    /// attempt (the next acquire runs the work again as the same attempt number); a message
-    /// that kills its worker every time is better deleted.
+    /// attempt (the next acquire runs the work again as the same attempt number), so a message
+    /// that kills its worker every time is better left alone: each take-over of its expired
+    /// lease counts an attempt until it is exhausted. Deleting it would reset its attempts.
     ReleaseStuck {
         /// The namespace.
         namespace: String,

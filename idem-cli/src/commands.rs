@@ -13,7 +13,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
 
 use crate::cli::Filters;
-use crate::failure::{Code, Failure};
+use crate::failure::{Code, Failure, prevail};
 use crate::open::bounded;
 use crate::render;
 
@@ -57,14 +57,18 @@ pub(crate) enum Outcome {
     NotFound,
     /// Gone since it was listed (deleted, or past retention).
     Gone,
-    /// Changed since it was listed and no longer matches.
+    /// Changed since it was shown: in another state (same token), or no longer matching the
+    /// filters.
     Changed,
     /// Its lease was renewed since it was listed (the holder is alive).
     Renewed,
-    /// Another acquisition took the key over.
+    /// Another acquisition took the key over (the record carries another token).
     TakenOver,
     /// The holder finished it (completed, failed or released) meanwhile.
     Finished,
+    /// Not deleted: its lease is live (a worker may be running its handler right now) and
+    /// `--include-live` was not given.
+    RefusedLive,
 }
 
 impl Outcome {
@@ -80,6 +84,7 @@ impl Outcome {
             Self::Renewed => "renewed",
             Self::TakenOver => "taken_over",
             Self::Finished => "finished",
+            Self::RefusedLive => "refused_live",
         }
     }
 }
@@ -320,15 +325,16 @@ pub(crate) async fn stats(
     Ok(())
 }
 
-/// Prints what a destructive command did (or would do), one row or line per record.
-fn report(ctx: &mut Ctx<'_>, done: &[(Record, Outcome)]) -> Result<(), Failure> {
+/// Prints what a destructive command did (or would do), one row or line per record, with
+/// the record's status (judged with the consumers' `max_attempts`), which tells a live lease
+/// (`in_progress`) from an expired one (`lease_expired`).
+fn report(ctx: &mut Ctx<'_>, done: &[(Record, Outcome)], max_attempts: u32) -> Result<(), Failure> {
     let now = ctx.clock.now();
     if ctx.json {
         for (record, outcome) in done {
-            let status = Status::of(record, now, u32::MAX);
+            let status = Status::of(record, now, max_attempts);
             let mut value = render::record_json(record, status);
             if let Value::Object(map) = &mut value {
-                map.shift_remove("status");
                 map.insert("outcome".into(), outcome.name().into());
             }
             ctx.line(&value)?;
@@ -341,17 +347,22 @@ fn report(ctx: &mut Ctx<'_>, done: &[(Record, Outcome)]) -> Result<(), Failure> 
     let rows = done
         .iter()
         .map(|(record, outcome)| (record, outcome.name()));
-    write!(ctx.out, "{}", outcome_table(rows, now))?;
+    write!(ctx.out, "{}", outcome_table(rows, now, max_attempts))?;
     Ok(())
 }
 
-fn outcome_table<'r>(rows: impl Iterator<Item = (&'r Record, &'r str)>, now: SystemTime) -> String {
+fn outcome_table<'r>(
+    rows: impl Iterator<Item = (&'r Record, &'r str)>,
+    now: SystemTime,
+    max_attempts: u32,
+) -> String {
     let mut t = render::table(&[
-        "ID", "STATE", "ATTEMPTS", "OWNER", "TOKEN", "UPDATED", "OUTCOME",
+        "ID", "STATUS", "STATE", "ATTEMPTS", "OWNER", "TOKEN", "UPDATED", "OUTCOME",
     ]);
     for (record, outcome) in rows {
         t.add_row(vec![
             render::shown_id(record.key.id()),
+            Status::of(record, now, max_attempts).name().to_owned(),
             record.state.name().to_owned(),
             record.attempts.to_string(),
             render::shown_id(&record.owner),
@@ -360,22 +371,33 @@ fn outcome_table<'r>(rows: impl Iterator<Item = (&'r Record, &'r str)>, now: Sys
             outcome.to_owned(),
         ]);
     }
-    render::right_align(&mut t, 2);
+    render::right_align(&mut t, 3);
     render::lines(&t)
 }
 
-/// Shows the records about to change and asks (unless `--yes`).
-fn confirm(ctx: &mut Ctx<'_>, records: &[Record], verb: &str, ns: &str) -> Result<bool, Failure> {
+/// Shows the records about to change (and those `kept`, refused for their live lease) and
+/// asks (unless `--yes`).
+fn confirm(
+    ctx: &mut Ctx<'_>,
+    records: &[Record],
+    kept: &[Record],
+    verb: &str,
+    ns: &str,
+    max_attempts: u32,
+) -> Result<bool, Failure> {
     if ctx.confirm == Confirm::Ask {
         let now = ctx.clock.now();
         let label = format!("to {verb}");
+        let refused = Outcome::RefusedLive.name();
         let rows = records
             .iter()
-            .take(PREVIEW_ROWS)
-            .map(|r| (r, label.as_str()));
-        write!(ctx.err, "{}", outcome_table(rows, now))?;
-        if records.len() > PREVIEW_ROWS {
-            ctx.note(format!("... and {} more", records.len() - PREVIEW_ROWS))?;
+            .map(|r| (r, label.as_str()))
+            .chain(kept.iter().map(|r| (r, refused)))
+            .take(PREVIEW_ROWS);
+        write!(ctx.err, "{}", outcome_table(rows, now, max_attempts))?;
+        let all = records.len() + kept.len();
+        if all > PREVIEW_ROWS {
+            ctx.note(format!("... and {} more", all - PREVIEW_ROWS))?;
         }
     }
     let noun = if records.len() == 1 {
@@ -414,6 +436,7 @@ async fn each_record<F>(
     ctx: &mut Ctx<'_>,
     records: Vec<Record>,
     message: &str,
+    max_attempts: u32,
     mut step: F,
 ) -> Result<Vec<(Record, Outcome)>, Failure>
 where
@@ -426,9 +449,16 @@ where
             Ok(one) => done.push(one),
             Err(e) => {
                 bar.finish_and_clear();
-                report(ctx, &done)?;
-                summary(ctx, &done)?;
-                return Err(e);
+                // Tell what was done before the failure, as far as the output lets us: the
+                // summary goes to standard error even when standard output is a closed pipe,
+                // and the store's failure is the one the command ends with, whatever writing
+                // these did.
+                let reported = report(ctx, &done, max_attempts);
+                let written = prevail(reported, summary(ctx, &done));
+                return Err(match written {
+                    Err(w) if e.code == Code::Ok => w,
+                    _ => e,
+                });
             }
         }
         bar.inc(1);
@@ -437,11 +467,139 @@ where
     Ok(done)
 }
 
+/// Whether `record`'s lease is live at `now`: its status is `in_progress` (not
+/// `lease_expired` or `exhausted`), so its holder may be running the handler right now.
+fn live(record: &Record, now: SystemTime) -> bool {
+    Status::of(record, now, u32::MAX) == Status::InProgress
+}
+
+/// Why `current`, the record read again just before its delete, must not be deleted (`None`:
+/// it may be): it is no longer the record the operator was `shown` (another token: taken over;
+/// another state, or no longer matching the filters: changed), or its lease is live and
+/// `include_live` was not given.
+fn recheck(
+    shown: &Record,
+    current: &Record,
+    still_matches: bool,
+    include_live: bool,
+    now: SystemTime,
+) -> Option<Outcome> {
+    if current.token != shown.token {
+        Some(Outcome::TakenOver)
+    } else if current.state != shown.state || !still_matches {
+        Some(Outcome::Changed)
+    } else if !include_live && live(current, now) {
+        Some(Outcome::RefusedLive)
+    } else {
+        None
+    }
+}
+
+/// Reads `shown` again and deletes it if it is still the record shown (see [`recheck`]);
+/// returns the record as read again (the one deleted) and the outcome.
+///
+/// The store has no delete conditional on the token, so a record that changes in the one round
+/// trip between this read and the delete is deleted all the same (its holder is then fenced).
+async fn delete_one(
+    ctx: &mut Ctx<'_>,
+    shown: &Record,
+    query: Option<&ListQuery>,
+    include_live: bool,
+) -> Result<(Record, Outcome), Failure> {
+    let Some(current) = ctx.call(ctx.store.get(&shown.key)).await? else {
+        return Ok((shown.clone(), Outcome::Gone));
+    };
+    let now = ctx.clock.now();
+    let still_matches = query.is_none_or(|q| q.matches(&current, now));
+    if let Some(skip) = recheck(shown, &current, still_matches, include_live, now) {
+        return Ok((current, skip));
+    }
+    let deleted = ctx.call(ctx.store.delete(&current.key)).await?;
+    let outcome = if deleted {
+        Outcome::Deleted
+    } else {
+        Outcome::Gone
+    };
+    Ok((current, outcome))
+}
+
+/// What `delete` does with the records it found: shows them, asks, deletes each one still the
+/// same (see [`delete_one`]), and refuses those with a live lease unless `include_live`.
+/// Returns what happened to each, or `None` when the operator said no.
+async fn delete_found(
+    ctx: &mut Ctx<'_>,
+    ns: &str,
+    found: Vec<Record>,
+    query: Option<&ListQuery>,
+    max_attempts: u32,
+    include_live: bool,
+    dry_run: bool,
+) -> Result<Option<Vec<(Record, Outcome)>>, Failure> {
+    let now = ctx.clock.now();
+    let (kept, found): (Vec<Record>, Vec<Record>) = found
+        .into_iter()
+        .partition(|r| !include_live && live(r, now));
+    let live_ones = found.iter().filter(|r| live(r, now)).count();
+    if live_ones > 0 && !dry_run {
+        ctx.note(format!(
+            "warning: {live_ones} of the records to delete hold a live lease (--include-live): \
+             a redelivery can run their handler again while the holder may still be running it \
+             (the holder is fenced only when it finishes, after its effect)"
+        ))?;
+    }
+    let mut done: Vec<(Record, Outcome)> = if dry_run {
+        found
+            .into_iter()
+            .map(|r| (r, Outcome::WouldDelete))
+            .collect()
+    } else if found.is_empty() {
+        Vec::new()
+    } else if !confirm(ctx, &found, &kept, "delete", ns, max_attempts)? {
+        return Ok(None);
+    } else {
+        each_record(ctx, found, "deleting", max_attempts, async |ctx, shown| {
+            delete_one(ctx, shown, query, include_live).await
+        })
+        .await?
+    };
+    done.extend(kept.into_iter().map(|r| (r, Outcome::RefusedLive)));
+    Ok(Some(done))
+}
+
+/// The failure a delete ends with when it left records with a live lease alone (exit code 2,
+/// as for a destructive step refused without its flag); the other records were handled.
+fn refusal(done: &[(Record, Outcome)], ns: &str, dry_run: bool) -> Result<(), Failure> {
+    let n = done
+        .iter()
+        .filter(|(_, outcome)| *outcome == Outcome::RefusedLive)
+        .count();
+    if n == 0 {
+        return Ok(());
+    }
+    let (records, them) = if n == 1 {
+        ("record", "it")
+    } else {
+        ("records", "them")
+    };
+    let what = if dry_run {
+        "would refuse to delete"
+    } else {
+        "refused to delete"
+    };
+    Err(Failure::usage(format!(
+        "{what} {n} {records} of namespace {ns} whose lease is live (in_progress: a worker may \
+         be running the handler right now, and a redelivery would run it again): pass \
+         --include-live to delete {them} too"
+    )))
+}
+
 /// `idem delete NAMESPACE ID...`.
 pub(crate) async fn delete_ids(
     ctx: &mut Ctx<'_>,
     ns: &str,
     ids: &[String],
+    max_attempts: u32,
+    include_live: bool,
     dry_run: bool,
 ) -> Result<(), Failure> {
     let namespace = namespace(ns)?;
@@ -462,41 +620,27 @@ pub(crate) async fn delete_ids(
             ctx.note(format!("not found: {ns}/{}", render::shown_id(key.id())))?;
         }
     }
-    let done = if dry_run {
-        present
-            .into_iter()
-            .map(|r| (r, Outcome::WouldDelete))
-            .collect()
-    } else if present.is_empty() || !confirm(ctx, &present, "delete", ns)? {
-        Vec::new()
-    } else {
-        each_record(ctx, present, "deleting", async |ctx, record| {
-            let deleted = ctx.call(ctx.store.delete(&record.key)).await?;
-            let outcome = if deleted {
-                Outcome::Deleted
-            } else {
-                Outcome::Gone
-            };
-            Ok((record.clone(), outcome))
-        })
-        .await?
-    };
-    report(ctx, &done)?;
+    let found = delete_found(ctx, ns, present, None, max_attempts, include_live, dry_run).await?;
+    let done = found.unwrap_or_default();
+    let mut written = report(ctx, &done, max_attempts);
     if ctx.json {
         for key in &missing {
             let line =
                 json!({"namespace": ns, "id": key.id(), "outcome": Outcome::NotFound.name()});
-            ctx.line(&line)?;
+            written = written.and_then(|()| ctx.line(&line));
         }
     }
     if !done.is_empty() {
-        summary(ctx, &done)?;
+        written = prevail(written, summary(ctx, &done));
     }
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(Failure::silent(Code::NotFound))
-    }
+    let verdict = refusal(&done, ns, dry_run).and_then(|()| {
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(Failure::silent(Code::NotFound))
+        }
+    });
+    prevail(verdict, written)
 }
 
 /// `idem delete NAMESPACE --status ...`: every record matching the filters.
@@ -504,6 +648,7 @@ pub(crate) async fn delete_matching(
     ctx: &mut Ctx<'_>,
     ns: &str,
     filters: &Filters,
+    include_live: bool,
     dry_run: bool,
 ) -> Result<(), Failure> {
     if !filters.any() {
@@ -518,36 +663,22 @@ pub(crate) async fn delete_matching(
         Ok(())
     })
     .await?;
-    let done = if dry_run {
-        found
-            .into_iter()
-            .map(|r| (r, Outcome::WouldDelete))
-            .collect()
-    } else if found.is_empty() || !confirm(ctx, &found, "delete", ns)? {
-        Vec::new()
-    } else {
-        each_record(ctx, found, "deleting", async |ctx, listed| {
-            // Read again: delete only what still matches, as listed.
-            let Some(now) = ctx.call(ctx.store.get(&listed.key)).await? else {
-                return Ok((listed.clone(), Outcome::Gone));
-            };
-            if now.token != listed.token || !query.matches(&now, ctx.clock.now()) {
-                return Ok((now, Outcome::Changed));
-            }
-            let deleted = ctx.call(ctx.store.delete(&now.key)).await?;
-            Ok((
-                now,
-                if deleted {
-                    Outcome::Deleted
-                } else {
-                    Outcome::Gone
-                },
-            ))
-        })
-        .await?
+    let max_attempts = filters.max_attempts;
+    let Some(done) = delete_found(
+        ctx,
+        ns,
+        found,
+        Some(&query),
+        max_attempts,
+        include_live,
+        dry_run,
+    )
+    .await?
+    else {
+        return Ok(());
     };
-    report(ctx, &done)?;
-    summary(ctx, &done)
+    let written = prevail(report(ctx, &done, max_attempts), summary(ctx, &done));
+    prevail(refusal(&done, ns, dry_run), written)
 }
 
 /// Whether `record` is in progress with a lease that ended at least `age` before `now`.
@@ -588,15 +719,19 @@ pub(crate) async fn release_stuck(
             .into_iter()
             .map(|r| (r, Outcome::WouldRelease))
             .collect()
-    } else if found.is_empty() || !confirm(ctx, &found, "release", ns)? {
+    } else if found.is_empty() || !confirm(ctx, &found, &[], "release", ns, max_attempts)? {
         Vec::new()
     } else {
-        each_record(ctx, found, "releasing", async |ctx, listed| {
-            release_one(ctx, listed, older_than).await
-        })
+        each_record(
+            ctx,
+            found,
+            "releasing",
+            max_attempts,
+            async |ctx, listed| release_one(ctx, listed, older_than).await,
+        )
         .await?
     };
-    report(ctx, &done)?;
+    report(ctx, &done, max_attempts)?;
     summary(ctx, &done)
 }
 
@@ -686,6 +821,13 @@ pub(crate) async fn purge(ctx: &mut Ctx<'_>, batch: u64, max: Option<u64>) -> Re
         }
     }
     Ok(())
+}
+
+/// Flushes standard output at the end of a command: a failure to write it (a reader gone
+/// away) never hides the command's own failure.
+pub(crate) fn finish(out: &mut dyn Write, result: Result<(), Failure>) -> Result<(), Failure> {
+    let flushed = out.flush().map_err(Failure::from);
+    prevail(result, flushed)
 }
 
 #[cfg(test)]

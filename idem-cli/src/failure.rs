@@ -67,6 +67,20 @@ impl Failure {
     }
 }
 
+/// How a command ends when both it and the writing of its output may have failed: a real
+/// failure wins over a closed pipe (`Code::Ok`, silent), and `cause` (the command's, say a store
+/// error) over `output` when both are real. A closed pipe alone still ends quietly.
+pub(crate) fn prevail(
+    cause: Result<(), Failure>,
+    output: Result<(), Failure>,
+) -> Result<(), Failure> {
+    match (cause, output) {
+        (Err(e), _) if e.code != Code::Ok => Err(e),
+        (_, Err(w)) => Err(w),
+        (cause, Ok(())) => cause,
+    }
+}
+
 impl From<BadUrl> for Failure {
     fn from(e: BadUrl) -> Self {
         Self::usage(e)
@@ -166,6 +180,24 @@ mod tests {
         let f = Failure::from(Error::not_set_up("postgres", "table x", "run migrate"));
         assert_eq!(f.code, Code::Store);
         assert!(f.message().contains("idem migrate"), "{f:?}");
+    }
+
+    #[test]
+    fn a_closed_pipe_never_hides_a_failure() {
+        let pipe = || {
+            Err(Failure::from(std::io::Error::from(
+                std::io::ErrorKind::BrokenPipe,
+            )))
+        };
+        let store = || Err(Failure::new(Code::Unavailable, "redis store unavailable"));
+        let code = |r: Result<(), Failure>| r.map_or_else(|f| f.code, |()| Code::Ok);
+        assert_eq!(code(prevail(store(), pipe())), Code::Unavailable);
+        assert_eq!(code(prevail(pipe(), store())), Code::Unavailable);
+        assert_eq!(code(prevail(Ok(()), pipe())), Code::Ok);
+        let written = Err(Failure::from(std::io::Error::other("disk full")));
+        assert_eq!(code(prevail(Ok(()), written)), Code::Store);
+        let not_found = Err(Failure::silent(Code::NotFound));
+        assert_eq!(code(prevail(not_found, pipe())), Code::NotFound);
     }
 
     #[test]

@@ -101,16 +101,29 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             namespace,
             ids,
             filters,
+            include_live,
             safety,
         } if ids.is_empty() => {
-            commands::delete_matching(&mut ctx, namespace, filters, safety.dry_run).await
+            commands::delete_matching(&mut ctx, namespace, filters, *include_live, safety.dry_run)
+                .await
         }
         Command::Delete {
             namespace,
             ids,
+            filters,
+            include_live,
             safety,
-            ..
-        } => commands::delete_ids(&mut ctx, namespace, ids, safety.dry_run).await,
+        } => {
+            commands::delete_ids(
+                &mut ctx,
+                namespace,
+                ids,
+                filters.max_attempts,
+                *include_live,
+                safety.dry_run,
+            )
+            .await
+        }
         Command::ReleaseStuck {
             namespace,
             older_than,
@@ -139,6 +152,6 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             Err(e) => Err(e),
         },
     };
-    ctx.out.flush()?;
-    result
+    // The command's failure (a store error) wins over a failure to flush (a closed pipe).
+    commands::finish(ctx.out, result)
 }

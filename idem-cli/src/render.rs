@@ -15,8 +15,9 @@ const SHOWN: usize = 512;
 /// How a stored result is written out.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Shown {
-    /// UTF-8 text (no control characters other than tab and line breaks, no format or
-    /// separator characters such as U+202E).
+    /// UTF-8 text: no control characters other than tab and line breaks (`\n`, or `\r\n`:
+    /// a `\r` alone would bring what follows over what precedes it on a terminal), no format
+    /// or separator characters such as U+202E.
     Text(String),
     /// Anything else, as lowercase hex.
     Hex(String),
@@ -25,13 +26,7 @@ pub(crate) enum Shown {
 impl Shown {
     pub(crate) fn of(bytes: &[u8]) -> Self {
         match std::str::from_utf8(bytes) {
-            Ok(text)
-                if !text
-                    .chars()
-                    .any(|c| hidden(c) && !matches!(c, '\t' | '\n' | '\r')) =>
-            {
-                Self::Text(text.to_owned())
-            }
+            Ok(text) if plain(text) => Self::Text(text.to_owned()),
             _ => Self::Hex(hex::encode(bytes)),
         }
     }
@@ -48,6 +43,22 @@ impl Shown {
             Self::Text(t) | Self::Hex(t) => t,
         }
     }
+}
+
+/// Whether `text` shows as it is on a terminal: its only control characters are tabs and line
+/// breaks (`\n`, or `\r` right before `\n`); no bare `\r`, no escape, no format or separator
+/// character.
+fn plain(text: &str) -> bool {
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\t' | '\n' => {}
+            '\r' if chars.peek() == Some(&'\n') => {}
+            c if hidden(c) => return false,
+            _ => {}
+        }
+    }
+    true
 }
 
 /// A table with no borders, columns two spaces apart, never wrapped (so it stays aligned when
@@ -196,10 +207,10 @@ pub(crate) fn record_table(record: &Record, status: Status, now: SystemTime) -> 
             Shown::Text(_) => "utf8",
             Shown::Hex(_) => "hex",
         };
-        row(
-            "result",
-            cut(shown.text(), "characters", shown.text().chars().count()),
-        );
+        // A table shows `\r\n` line breaks as `\n` (`--json` keeps them): no `\r` reaches the
+        // terminal, even where the text is cut.
+        let text = shown.text().replace("\r\n", "\n");
+        row("result", cut(&text, "characters", text.chars().count()));
         row("result_encoding", what.to_owned());
         row("result_len", format!("{len} bytes"));
     }
@@ -276,6 +287,24 @@ mod tests {
             Shown::Text("{\n\t\"a\": 1\n}".into())
         );
         assert_eq!(Shown::of(b""), Shown::Text(String::new()));
+        // Line breaks as `\r\n` are text; a `\r` alone (which rewrites the line on a terminal)
+        // is not, nor another C0 control.
+        assert_eq!(Shown::of(b"a\r\nb\r\n"), Shown::Text("a\r\nb\r\n".into()));
+        for bytes in [
+            &b"refunded\rcharged"[..],
+            b"trailing\r",
+            b"\r\r\n",
+            b"\rx",
+            b"bell\x07",
+            b"back\x08space",
+            b"\x1b[2K",
+        ] {
+            assert_eq!(
+                Shown::of(bytes),
+                Shown::Hex(hex::encode(bytes)),
+                "{bytes:?}"
+            );
+        }
     }
 
     #[test]

@@ -263,6 +263,37 @@ async fn listing_flow(fx: &Fixture, n: &str) {
     assert_eq!(lines[0]["outcome"], "deleted");
     let failed = ns.key("failed").unwrap();
     assert!(fx.store.get(&failed).await.unwrap().is_none());
+
+    // A live lease is not deleted without --include-live (exit code 2), and is with it.
+    let out = run(fx, &["delete", n, "live", "--yes", "--json"]).await;
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let lines = json_lines(&out.stdout);
+    assert_eq!(lines[0]["outcome"], "refused_live", "{lines:?}");
+    assert_eq!(lines[0]["status"], "in_progress", "{lines:?}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("1 refused_live") && said.contains("idem: error: refused to delete 1 record"),
+        "{said}"
+    );
+    assert!(fx.store.get(&live).await.unwrap().is_some());
+    let out = run(
+        fx,
+        &[
+            "delete",
+            n,
+            "--owner",
+            "worker-4",
+            "--include-live",
+            "--yes",
+            "--json",
+        ],
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    let lines = json_lines(&out.stdout);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["outcome"], "deleted");
+    assert!(fx.store.get(&live).await.unwrap().is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

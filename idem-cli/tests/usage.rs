@@ -38,6 +38,37 @@ fn help_documents_the_exit_codes_and_the_store_urls() {
         .stdout(contains("fences the release"));
 }
 
+/// A message that kills its worker every time must be left to run out of attempts: deleting
+/// its record resets the attempts (the tombstone keeps only the token), so each delete buys it
+/// `max_attempts` more runs, each of which may charge.
+#[test]
+fn crash_looping_messages_are_left_to_exhaust_not_deleted() {
+    // Text with its line breaks and indents as single spaces.
+    let flat = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let help = |command: &str| {
+        let out = idem().args(["help", command]).output().unwrap();
+        flat(&String::from_utf8(out.stdout).unwrap())
+    };
+    let readme = flat(include_str!("../README.md"));
+    assert!(
+        !readme.contains("delete it instead"),
+        "the README advises it"
+    );
+    assert!(
+        readme.contains("a delete resets its attempt count"),
+        "the README says why not"
+    );
+    let release = help("release-stuck");
+    assert!(!release.contains("better deleted"), "{release}");
+    assert!(release.contains("is better left alone"), "{release}");
+    let delete = help("delete");
+    assert!(
+        delete.contains("Deleting also resets the attempt count"),
+        "{delete}"
+    );
+    assert!(delete.contains("--include-live"), "{delete}");
+}
+
 #[test]
 fn a_store_is_required() {
     let out = idem().args(["get", "ns", "id"]).output().unwrap();

@@ -1,5 +1,5 @@
 //! The commands in-process, on a `MemoryStore` with a manual clock: paging, counting, and the
-//! races `release-stuck` and filtered `delete` must survive.
+//! races `release-stuck` and `delete` must survive.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -276,14 +276,18 @@ async fn release_stuck_releases_only_leases_expired_long_enough() {
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert_eq!(lines[0]["id"], "stuck");
     assert_eq!(lines[0]["outcome"], "released");
-    // The record's fields in their usual order (no status), the outcome last.
+    // The record's fields in their usual order (with its status), the outcome last.
     let fields: Vec<&str> = lines[0]
         .as_object()
         .unwrap()
         .keys()
         .map(String::as_str)
         .collect();
-    assert_eq!(fields[..3], ["namespace", "id", "state"], "{fields:?}");
+    assert_eq!(
+        fields[..4],
+        ["namespace", "id", "status", "state"],
+        "{fields:?}"
+    );
     assert_eq!(
         fields[fields.len() - 2..],
         ["failure_kind", "outcome"],
@@ -311,12 +315,16 @@ enum Race {
     ExtendAfterGet(Lease),
     /// The holder renews its lease right after the listing.
     ExtendAfterList(Lease),
+    /// The holder completes the record right after the command read it.
+    CompleteAfterGet(Lease),
 }
 
 /// A `MemoryStore` on which one race happens at the chosen moment.
 struct Racy {
     inner: MemoryStore,
     race: Mutex<Option<Race>>,
+    /// How many deletes succeed before every later one fails (`None`: none fails).
+    deletes_before_failing: Mutex<Option<usize>>,
 }
 
 impl std::fmt::Debug for Racy {
@@ -332,6 +340,16 @@ impl Racy {
         Self {
             inner,
             race: Mutex::new(Some(race)),
+            deletes_before_failing: Mutex::new(None),
+        }
+    }
+
+    /// A store on which no race happens and the delete after the first `n` fails.
+    fn failing_deletes_after(inner: MemoryStore, n: usize) -> Self {
+        Self {
+            inner,
+            race: Mutex::new(None),
+            deletes_before_failing: Mutex::new(Some(n)),
         }
     }
 
@@ -358,6 +376,12 @@ impl Racy {
             Race::ExtendAfterGet(lease) | Race::ExtendAfterList(lease) => {
                 self.inner
                     .extend(&lease, Duration::from_secs(300))
+                    .await
+                    .unwrap();
+            }
+            Race::CompleteAfterGet(lease) => {
+                self.inner
+                    .complete(&lease, Bytes::from_static(b"charged"), LONG)
                     .await
                     .unwrap();
             }
@@ -407,6 +431,17 @@ impl IdempotencyStore for Racy {
         record
     }
     async fn delete(&self, key: &IdempotencyKey) -> idem_core::Result<bool> {
+        let fail = match &mut *self.deletes_before_failing.lock().unwrap() {
+            Some(0) => true,
+            Some(n) => {
+                *n -= 1;
+                false
+            }
+            None => false,
+        };
+        if fail {
+            return Err(Error::unavailable("racy", "connection reset by peer"));
+        }
         self.inner.delete(key).await
     }
     async fn list(&self, query: &ListQuery) -> idem_core::Result<Page> {
@@ -477,7 +512,7 @@ async fn filtered_delete_skips_records_that_changed_since_the_listing() {
     // a delete is not fenced, and the operator asked for the key to go.
     let f = filters(&[Status::LeaseExpired]);
     let ran = run(&store, &*clock, true, Confirm::Yes, async |ctx| {
-        delete_matching(ctx, "orders", &f, false).await
+        delete_matching(ctx, "orders", &f, false, false).await
     })
     .await
     .ok();
@@ -486,7 +521,7 @@ async fn filtered_delete_skips_records_that_changed_since_the_listing() {
     let (clock, inner, stuck) = populated().await;
     let store = Racy::new(inner, Race::ExtendAfterList(stuck.clone()));
     let ran = run(&store, &*clock, true, Confirm::Yes, async |ctx| {
-        delete_matching(ctx, "orders", &f, false).await
+        delete_matching(ctx, "orders", &f, false, false).await
     })
     .await
     .ok();
@@ -502,7 +537,7 @@ async fn delete_by_id_and_by_filter() {
     let (clock, store, _) = populated().await;
     let ids = vec!["done".to_owned(), "missing".to_owned()];
     let ran = run(&store, &*clock, true, Confirm::Refuse, async |ctx| {
-        delete_ids(ctx, "orders", &ids, false).await
+        delete_ids(ctx, "orders", &ids, 5, false, false).await
     })
     .await;
     assert_eq!(
@@ -512,7 +547,7 @@ async fn delete_by_id_and_by_filter() {
         ran.err
     );
     let ran = run(&store, &*clock, true, Confirm::Yes, async |ctx| {
-        delete_ids(ctx, "orders", &ids, false).await
+        delete_ids(ctx, "orders", &ids, 5, false, false).await
     })
     .await;
     assert_eq!(ran.result.as_ref().unwrap_err().code, Code::NotFound);
@@ -524,7 +559,7 @@ async fn delete_by_id_and_by_filter() {
 
     let none = filters(&[]);
     let ran = run(&store, &*clock, true, Confirm::Yes, async |ctx| {
-        delete_matching(ctx, "orders", &none, true).await
+        delete_matching(ctx, "orders", &none, false, true).await
     })
     .await;
     assert_eq!(
@@ -535,13 +570,13 @@ async fn delete_by_id_and_by_filter() {
 
     let f = filters(&[Status::FailedTerminal, Status::FailedRetryable]);
     let ran = run(&store, &*clock, false, Confirm::Yes, async |ctx| {
-        delete_matching(ctx, "orders", &f, true).await
+        delete_matching(ctx, "orders", &f, false, true).await
     })
     .await
     .ok();
     assert_eq!(ran.out.matches("would_delete").count(), 2, "{}", ran.out);
     let ran = run(&store, &*clock, false, Confirm::Yes, async |ctx| {
-        delete_matching(ctx, "orders", &f, false).await
+        delete_matching(ctx, "orders", &f, false, false).await
     })
     .await
     .ok();
@@ -695,4 +730,266 @@ async fn a_store_that_does_not_answer_is_unavailable_within_the_timeout() {
         "{failure:?}"
     );
     assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+#[tokio::test]
+async fn delete_by_id_skips_a_record_changed_after_it_was_shown() {
+    // A live worker takes the crashed worker's key over while the operator reads the preview:
+    // its record (a new token) stays, and the output names it, not the record shown.
+    let (clock, inner, stuck) = populated().await;
+    let takeover = AcquireRequest::new(stuck.key.clone(), "w9");
+    let store = Racy::new(inner, Race::TakeOverAfterGet(takeover));
+    let ids = vec!["stuck".to_owned()];
+    let ran = run(&store, &*clock, true, Confirm::Yes, async |ctx| {
+        delete_ids(ctx, "orders", &ids, 5, false, false).await
+    })
+    .await
+    .ok();
+    let after = store
+        .get(&stuck.key)
+        .await
+        .unwrap()
+        .expect("the live record stays");
+    assert_eq!(after.owner, "w9");
+    assert!(after.token > stuck.token);
+    let lines = ran.json();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["outcome"], "taken_over", "{lines:?}");
+    assert_eq!(lines[0]["owner"], "w9");
+    assert_eq!(lines[0]["token"], after.token.get());
+    assert_eq!(lines[0]["status"], "in_progress");
+    assert_eq!(ran.err.trim(), "1 taken_over");
+
+    // The holder comes back and completes the record between the preview and the delete: same
+    // token, another state.
+    let (clock, inner, stuck) = populated().await;
+    let store = Racy::new(inner, Race::CompleteAfterGet(stuck.clone()));
+    let ran = run(&store, &*clock, true, Confirm::Yes, async |ctx| {
+        delete_ids(ctx, "orders", &ids, 5, false, false).await
+    })
+    .await
+    .ok();
+    let lines = ran.json();
+    assert_eq!(lines[0]["outcome"], "changed", "{lines:?}");
+    assert_eq!(lines[0]["state"], "completed");
+    let after = store
+        .get(&stuck.key)
+        .await
+        .unwrap()
+        .expect("the completed record stays");
+    assert_eq!(after.token, stuck.token);
+    assert!(matches!(after.state, RecordState::Completed { .. }));
+
+    // Nothing changed: deleted, and the record reported is the one read just before.
+    let (clock, store, stuck) = populated().await;
+    let ran = run(&store, &*clock, true, Confirm::Yes, async |ctx| {
+        delete_ids(ctx, "orders", &ids, 5, false, false).await
+    })
+    .await
+    .ok();
+    let lines = ran.json();
+    assert_eq!(lines[0]["outcome"], "deleted", "{lines:?}");
+    assert_eq!(lines[0]["token"], stuck.token.get());
+    assert!(store.get(&stuck.key).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_live_lease_is_deleted_only_with_include_live() {
+    let (clock, store, stuck) = populated().await;
+    let live = ns().key("live").unwrap();
+
+    // By id: the expired lease and the completed record go; the live lease stays, reported
+    // with its status, and the command says so and ends with exit code 2.
+    let ids = vec!["live".to_owned(), "stuck".to_owned(), "done".to_owned()];
+    let ran = run(&store, &*clock, true, Confirm::Yes, async |ctx| {
+        delete_ids(ctx, "orders", &ids, 5, false, false).await
+    })
+    .await;
+    let failure = ran.result.as_ref().unwrap_err();
+    assert_eq!(failure.code, Code::Usage, "{failure:?}");
+    assert!(
+        failure.message().contains("refused to delete 1 record")
+            && failure.message().contains("--include-live"),
+        "{failure:?}"
+    );
+    let lines = ran.json();
+    let outcome = |id: &str| {
+        let line = lines.iter().find(|l| l["id"] == id).unwrap();
+        (line["status"].clone(), line["outcome"].clone())
+    };
+    assert_eq!(
+        outcome("live"),
+        ("in_progress".into(), "refused_live".into())
+    );
+    assert_eq!(outcome("stuck"), ("lease_expired".into(), "deleted".into()));
+    assert_eq!(outcome("done"), ("completed".into(), "deleted".into()));
+    assert_eq!(ran.err.trim(), "2 deleted, 1 refused_live", "{}", ran.err);
+    assert!(store.get(&live).await.unwrap().is_some());
+    assert!(store.get(&stuck.key).await.unwrap().is_none());
+
+    // Filtered: the table shows the status; a dry run says the same.
+    let f = filters(&[Status::InProgress, Status::FailedTerminal]);
+    for dry_run in [true, false] {
+        let ran = run(&store, &*clock, false, Confirm::Yes, async |ctx| {
+            delete_matching(ctx, "orders", &f, false, dry_run).await
+        })
+        .await;
+        assert_eq!(
+            ran.result.as_ref().unwrap_err().code,
+            Code::Usage,
+            "{}",
+            ran.err
+        );
+        let header: Vec<&str> = ran.out.lines().next().unwrap().split_whitespace().collect();
+        assert_eq!(header[..3], ["ID", "STATUS", "STATE"], "{}", ran.out);
+        let row = |id: &str| -> Vec<&str> {
+            let line = ran.out.lines().find(|l| l.starts_with(&format!("{id} ")));
+            line.unwrap_or_else(|| panic!("{id}: {}", ran.out))
+                .split_whitespace()
+                .collect()
+        };
+        let live_row = row("live");
+        assert_eq!(live_row[1], "in_progress", "{}", ran.out);
+        assert_eq!(live_row.last(), Some(&"refused_live"), "{}", ran.out);
+        let terminal = row("terminal");
+        let done = if dry_run { "would_delete" } else { "deleted" };
+        assert_eq!(terminal.last(), Some(&done), "{}", ran.out);
+    }
+    assert!(store.get(&live).await.unwrap().is_some());
+
+    // Nothing but live leases: nothing to ask, nothing deleted, exit code 2.
+    let only_live = filters(&[Status::InProgress]);
+    let ran = run(&store, &*clock, true, Confirm::Refuse, async |ctx| {
+        delete_matching(ctx, "orders", &only_live, false, false).await
+    })
+    .await;
+    assert_eq!(ran.result.as_ref().unwrap_err().code, Code::Usage);
+    assert_eq!(ran.json()[0]["outcome"], "refused_live");
+    assert!(store.get(&live).await.unwrap().is_some());
+
+    // With --include-live it goes, with a warning.
+    let ran = run(&store, &*clock, true, Confirm::Yes, async |ctx| {
+        delete_matching(ctx, "orders", &only_live, true, false).await
+    })
+    .await
+    .ok();
+    assert_eq!(ran.json()[0]["outcome"], "deleted");
+    assert_eq!(ran.json()[0]["status"], "in_progress");
+    assert!(
+        ran.err
+            .contains("warning: 1 of the records to delete hold a live lease"),
+        "{}",
+        ran.err
+    );
+    assert!(store.get(&live).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_carriage_return_in_a_result_is_not_shown_raw() {
+    let (clock, store, _) = populated().await;
+    // On a terminal, the `\r` would bring the second object over the first.
+    let forged: &[u8] =
+        b"{\"amount\":100000,\"status\":\"refunded\"}\r{\"amount\":1,\"status\":\"charged\"}";
+    let lease = acquire(&store, "forged", "w1", LONG).await;
+    store
+        .complete(&lease, Bytes::from_static(forged), LONG)
+        .await
+        .unwrap();
+    let crlf = "line one\r\nline two\r\n";
+    let lease = acquire(&store, "crlf", "w1", LONG).await;
+    store
+        .complete(&lease, Bytes::from_static(crlf.as_bytes()), LONG)
+        .await
+        .unwrap();
+    // A table cuts a result after 512 characters: here between the `\r` and the `\n`.
+    let long = format!("{}\r\n{}", "a".repeat(511), "b".repeat(10));
+    let lease = acquire(&store, "long", "w1", LONG).await;
+    store
+        .complete(&lease, Bytes::from(long.clone()), LONG)
+        .await
+        .unwrap();
+    let shown = async |id: &str, json: bool| {
+        run(&store, &*clock, json, Confirm::Refuse, async |ctx| {
+            get(ctx, "orders", id, 5).await
+        })
+        .await
+        .ok()
+    };
+
+    let record = &shown("forged", true).await.json()[0];
+    assert_eq!(record["result_encoding"], "hex");
+    assert_eq!(record["result"], hex::encode(forged));
+    assert_eq!(record["result_len"], forged.len());
+    let table = shown("forged", false).await.out;
+    assert!(!table.contains('\r'), "{table:?}");
+    assert!(table.contains(&hex::encode(forged)), "{table}");
+
+    // Line breaks as `\r\n` are text: exact in JSON, without the `\r` in a table.
+    let record = &shown("crlf", true).await.json()[0];
+    assert_eq!(record["result_encoding"], "utf8");
+    assert_eq!(record["result"], crlf);
+    let table = shown("crlf", false).await.out;
+    assert!(!table.contains('\r'), "{table:?}");
+    assert!(
+        table.contains("line one\n") && table.contains("line two"),
+        "{table}"
+    );
+    assert_eq!(shown("long", true).await.json()[0]["result"], long);
+    let table = shown("long", false).await.out;
+    assert!(!table.contains('\r'), "{table:?}");
+    assert!(table.contains("--json shows all"), "{table}");
+}
+
+/// Standard output whose reader went away (`idem ... | head -1`).
+struct ClosedPipe;
+
+impl Write for ClosedPipe {
+    fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+        Err(std::io::ErrorKind::BrokenPipe.into())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Err(std::io::ErrorKind::BrokenPipe.into())
+    }
+}
+
+#[tokio::test]
+async fn a_store_failure_is_not_hidden_by_a_closed_pipe() {
+    for json in [true, false] {
+        // The first delete goes through (and is reported), the second fails.
+        let (clock, inner, _) = populated().await;
+        let store = Racy::failing_deletes_after(inner, 1);
+        let f = filters(&[Status::Completed]);
+        let mut out = ClosedPipe;
+        let mut err = Vec::new();
+        let mut ctx = Ctx {
+            store: &store,
+            timeout: Duration::from_secs(5),
+            clock: &*clock,
+            out: &mut out,
+            err: &mut err,
+            json,
+            progress: false,
+            confirm: Confirm::Yes,
+        };
+        let failure = delete_matching(&mut ctx, "orders", &f, false, false)
+            .await
+            .unwrap_err();
+        assert_eq!(failure.code, Code::Unavailable, "json {json}: {failure:?}");
+        assert!(
+            failure.message().contains("connection reset"),
+            "{failure:?}"
+        );
+        // Standard error still tells what was done before the failure.
+        let err = String::from_utf8(err).unwrap();
+        assert_eq!(err.trim(), "1 deleted", "json {json}");
+    }
+    // The flush at the end of a command, likewise.
+    let failure = finish(
+        &mut ClosedPipe,
+        Err(Failure::from(Error::backend("racy", "server error"))),
+    )
+    .unwrap_err();
+    assert_eq!(failure.code, Code::Store, "{failure:?}");
+    let quiet = finish(&mut ClosedPipe, Ok(())).unwrap_err();
+    assert_eq!(quiet.code, Code::Ok, "a closed pipe alone ends quietly");
 }
