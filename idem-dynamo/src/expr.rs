@@ -32,13 +32,22 @@ pub(crate) const ACQUIRE_UPDATE: &str = "SET #state = :in_progress, \
 /// left by [`DELETE_UPDATE`]: absent, taken fresh (the token counts on from it). An item past retention is only taken
 /// fresh here when it is final (no `attempts`): a failed-retryable item past retention still has
 /// its live attributes and is re-created by [`REFRESH_UPDATE`] instead.
-const ACQUIRE_WRITE_ROWS: &str = "attribute_not_exists(#pk) \
+///
+/// First of all, the item must not carry this call's `acq_id`: each call writes at most once.
+/// A copy of the request that arrives late (the SDK sent it again after an attempt timed out,
+/// and the first copy was still on its way) is refused once the call's acquisition landed,
+/// whatever happened to the record since: without this, after the holder released or failed
+/// the record, the late copy took the key again, under a lease nobody holds and with an
+/// attempt counted for a handler that never ran. (The call recognises its own acquisition from
+/// the refusal: its `acq_id` in the item as it is.)
+const ACQUIRE_WRITE_ROWS: &str = "(attribute_not_exists(#acq_id) OR #acq_id <> :acq_id) AND ( \
+     attribute_not_exists(#pk) \
      OR attribute_not_exists(#state) \
      OR (#expires_us <= :now AND attribute_not_exists(#attempts)) \
      OR (FP #attempts < :max AND ( \
            (#state = :in_progress AND #lease_expires_us <= :now) \
            OR #state = :released \
-           OR (#state = :failed_retryable AND #expires_us > :now)))";
+           OR (#state = :failed_retryable AND #expires_us > :now))))";
 
 /// The fingerprint rule, when the request has one: no write when both are present and differ.
 const FINGERPRINT_MATCHES: &str = "(attribute_not_exists(#fingerprint) \

@@ -123,14 +123,36 @@ impl DynamoStore {
             .send()
             .await
             .map_err(|e| self.sdk_error("DescribeTimeToLive", e))?;
-        let status = described
-            .time_to_live_description()
-            .and_then(|d| d.time_to_live_status());
+        let description = described.time_to_live_description();
+        let status = description.and_then(|d| d.time_to_live_status());
         if matches!(
             status,
             Some(TimeToLiveStatus::Enabled | TimeToLiveStatus::Enabling)
         ) {
-            return Ok(());
+            // A table has one TTL attribute: on another one, DynamoDB never removes the
+            // store's finished records and tombstones (reads still judge them expired).
+            return match description.and_then(|d| d.attribute_name()) {
+                Some(name) if name != attr::TTL => Err(Error::not_set_up(
+                    STORE,
+                    format!(
+                        "time to live on attribute {:?} of table {:?} (DynamoDB's TTL is on \
+                         {name:?}: it would never remove the store's expired records, which \
+                         carry their expiry in {:?})",
+                        attr::TTL,
+                        self.table(),
+                        attr::TTL
+                    ),
+                    format!(
+                        "a table of the store's own (a table has one TTL attribute), or turn \
+                         TTL off and on again on {:?}: aws dynamodb update-time-to-live \
+                         --table-name {} --time-to-live-specification Enabled=true,AttributeName={}",
+                        attr::TTL,
+                        self.table(),
+                        attr::TTL
+                    ),
+                )),
+                _ => Ok(()),
+            };
         }
         let spec = TimeToLiveSpecification::builder()
             .attribute_name(attr::TTL)

@@ -27,11 +27,18 @@ use idem_dynamo::{DynamoStore, DynamoWrites, RequestCounter};
 
 const RETENTION: Duration = Duration::from_secs(3600);
 
-/// How many answers to lose, after how many to deliver first.
+/// How many answers to lose, after how many to deliver first; and a copy of a request kept
+/// to be delivered again later.
 #[derive(Debug, Default)]
 struct Losses {
     skip: AtomicU32,
     lose: AtomicU32,
+    /// Whether the next request is copied into `copy`.
+    keep_next: std::sync::atomic::AtomicBool,
+    /// A request's copy and the connector to send it with: a copy of a request that arrives
+    /// late (the SDK sent it again after an attempt timed out, and the first was still on its
+    /// way).
+    copy: std::sync::Mutex<Option<(SharedHttpConnector, HttpRequest)>>,
 }
 
 impl Losses {
@@ -90,6 +97,12 @@ impl HttpClient for LoseAnswers {
 
 impl HttpConnector for LosingConnector {
     fn call(&self, request: HttpRequest) -> HttpConnectorFuture {
+        if self.lose.keep_next.swap(false, Ordering::SeqCst) {
+            let copy = request
+                .try_clone()
+                .expect("a request with a body in memory");
+            *self.lose.copy.lock().unwrap() = Some((self.inner.clone(), copy));
+        }
         let answer = self.inner.call(request);
         let lose = self.lose.clone();
         HttpConnectorFuture::new(async move {
@@ -369,6 +382,53 @@ async fn a_retried_acquire_whose_first_attempt_landed_is_acquired() {
         .unwrap();
     let record = store.get(&fresh).await.unwrap().unwrap();
     assert_eq!(record.attempts, 1);
+}
+
+#[tokio::test]
+async fn a_late_copy_of_an_acquire_changes_nothing_once_the_acquisition_landed() {
+    let Some((store, lose)) = losing_store(None).await else {
+        return;
+    };
+    // (A release gives the attempt back; a failure counts it.)
+    for (then, next_attempt) in [("released", 1), ("failed", 2)] {
+        let k = key(then);
+        lose.keep_next.store(true, Ordering::SeqCst);
+        let lease = lease(&store, &k).await;
+        match then {
+            "released" => store.release(&lease).await.unwrap(),
+            _ => store
+                .fail(&lease, "down", FailureKind::Retryable, RETENTION)
+                .await
+                .unwrap(),
+        }
+        let before = store.get(&k).await.unwrap().unwrap();
+
+        // The acquire's request again, as a late copy of it would arrive now.
+        let (connector, copy) = lose
+            .copy
+            .lock()
+            .unwrap()
+            .take()
+            .expect("the acquire's copy");
+        let answer = connector.call(copy).await.expect("an answer");
+        let status = answer.status();
+        let body = aws_smithy_types::byte_stream::ByteStream::new(answer.into_body())
+            .collect()
+            .await
+            .expect("the answer's body")
+            .into_bytes();
+        let body = String::from_utf8_lossy(&body);
+        assert!(
+            body.contains("ConditionalCheckFailed"),
+            "{then}: the late copy must be refused, got {status} {body}"
+        );
+        let after = store.get(&k).await.unwrap().unwrap();
+        assert_eq!(after, before, "{then}: the late copy changed the record");
+        // The next delivery acquires, under a new token, with the attempts the holder left.
+        let next = lease_with(&store, &AcquireRequest::new(k.clone(), "b")).await;
+        assert_eq!(next.attempt, next_attempt, "{then}");
+        assert!(next.token > lease.token);
+    }
 }
 
 #[tokio::test]

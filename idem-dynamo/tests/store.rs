@@ -139,6 +139,64 @@ async fn table_helper_is_idempotent_and_enables_ttl() {
 }
 
 #[tokio::test]
+async fn a_table_whose_ttl_is_on_another_attribute_is_not_set_up() {
+    if !common::server() {
+        return;
+    }
+    let table = format!("idem-ttl-{}", uuid::Uuid::new_v4().simple());
+    let store = DynamoStore::connect(common::config(&table)).await.unwrap();
+    let client = store.client();
+    client
+        .create_table()
+        .table_name(&table)
+        .billing_mode(idem_dynamo::aws_sdk_dynamodb::types::BillingMode::PayPerRequest)
+        .attribute_definitions(
+            idem_dynamo::aws_sdk_dynamodb::types::AttributeDefinition::builder()
+                .attribute_name("pk")
+                .attribute_type(idem_dynamo::aws_sdk_dynamodb::types::ScalarAttributeType::S)
+                .build()
+                .unwrap(),
+        )
+        .key_schema(
+            idem_dynamo::aws_sdk_dynamodb::types::KeySchemaElement::builder()
+                .attribute_name("pk")
+                .key_type(idem_dynamo::aws_sdk_dynamodb::types::KeyType::Hash)
+                .build()
+                .unwrap(),
+        )
+        .send()
+        .await
+        .unwrap();
+    client
+        .update_time_to_live()
+        .table_name(&table)
+        .time_to_live_specification(
+            idem_dynamo::aws_sdk_dynamodb::types::TimeToLiveSpecification::builder()
+                .attribute_name("expires_at")
+                .enabled(true)
+                .build()
+                .unwrap(),
+        )
+        .send()
+        .await
+        .unwrap();
+    let r = store.create_table_if_missing().await;
+    client
+        .delete_table()
+        .table_name(&table)
+        .send()
+        .await
+        .unwrap();
+    match r {
+        Err(Error::NotSetUp { missing, fix, .. }) => {
+            assert!(missing.contains("\"expires_at\""), "{missing}");
+            assert!(fix.contains("AttributeName=ttl"), "{fix}");
+        }
+        other => panic!("expected NotSetUp, got {other:?}"),
+    }
+}
+
+#[tokio::test]
 async fn a_missing_table_is_not_set_up_and_says_how_to_create_it() {
     // Make sure the server answers at all, so that this checks the mapping.
     if !common::server() {
