@@ -503,13 +503,15 @@ fn invalid_url(url: &str, e: RedisError) -> Error {
     )
 }
 
-/// Refuses a server that runs in cluster mode with its slots spread over several primaries: one
-/// connection to one node would see only that node's keys (a listing would silently miss the
-/// rest, and every other key would answer `MOVED`). Asks `INFO cluster`, then `CLUSTER SLOTS`:
-/// a cluster whose every slot range has one primary (a single shard) loses nothing and is let
-/// through. A server that refuses either command (an ACL, a renamed command, a proxy) or answers
-/// in a way not understood cannot be told apart and is let through too: this guard never stops a
-/// setup it cannot judge.
+/// Refuses a server that runs in cluster mode (`INFO cluster` says `cluster_enabled:1`), however
+/// its slots are spread. With several primaries one connection to one node would see only that
+/// node's keys (a listing would silently miss the rest, and every other key would answer
+/// `MOVED`); even a node that serves every slot (a single-shard cluster, such as ElastiCache or
+/// MemoryDB "cluster mode enabled" with one shard) refuses with `CROSSSLOT` a script whose
+/// declared keys lie in several hash slots, which a batch and `complete_with` send on one
+/// server. A server that refuses `INFO` (an ACL, a renamed command, a proxy) or answers in a way
+/// not understood cannot be told apart and is let through: this guard never stops a setup it
+/// cannot judge.
 async fn refuse_cluster_node(
     manager: &ConnectionManager,
     url: &str,
@@ -528,52 +530,16 @@ async fn refuse_cluster_node(
     if !enabled {
         return Ok(());
     }
-    let mut slots = redis::cmd("CLUSTER");
-    slots.arg("SLOTS");
-    let primaries = match bounded(STANDALONE, timeout, slots.query_async::<Value>(&mut conn)).await
-    {
-        Ok(reply) => slot_primaries(&reply),
-        Err(e) => {
-            tracing::debug!(error = %e, "CLUSTER SLOTS refused; cannot tell how the slots are spread");
-            None
-        }
-    };
-    match primaries {
-        Some(n) if n > 1 => {
-            let scheme = url.split("://").next().unwrap_or("?");
-            Err(Error::invalid(
-                "url",
-                format!(
-                    "this {scheme}:// address is a node of a Redis Cluster whose slots {n} \
-                     primaries serve (cluster_enabled:1): connect with \
-                     RedisStore::connect_cluster (redis+cluster:// in the CLI)"
-                ),
-            ))
-        }
-        _ => Ok(()),
-    }
-}
-
-/// How many distinct primaries (address and port) a `CLUSTER SLOTS` reply names; `None` for a
-/// reply of another shape.
-fn slot_primaries(reply: &Value) -> Option<usize> {
-    let Value::Array(ranges) = reply else {
-        return None;
-    };
-    let mut primaries = std::collections::HashSet::new();
-    for range in ranges {
-        let Value::Array(parts) = range else {
-            return None;
-        };
-        let Some(Value::Array(primary)) = parts.get(2) else {
-            return None;
-        };
-        let (Some(host), Some(port)) = (primary.first(), primary.get(1)) else {
-            return None;
-        };
-        primaries.insert(format!("{host:?}:{port:?}"));
-    }
-    Some(primaries.len())
+    let scheme = url.split("://").next().unwrap_or("?");
+    Err(Error::invalid(
+        "url",
+        format!(
+            "this {scheme}:// address is a Redis Cluster node (cluster_enabled:1), even if it \
+             serves every slot: a cluster node refuses (CROSSSLOT) a script over keys of several \
+             hash slots, which batches and complete_with send on one server; connect with \
+             RedisStore::connect_cluster (redis+cluster:// in the CLI)"
+        ),
+    ))
 }
 
 /// Whether `e` (an error [`map_error`] made, or a timeout) may mean that the cluster moved a
@@ -759,38 +725,6 @@ mod tests {
         // complete_with's refusal of a write the user's ACL denies (nothing written).
         let denied = RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "denied"));
         assert!(matches!(map_error(CLUSTER, denied), Error::Backend { .. }));
-    }
-
-    #[test]
-    fn slot_primaries_counts_the_distinct_primaries() {
-        let node = |port: i64| {
-            Value::Array(vec![
-                Value::BulkString(b"127.0.0.1".to_vec()),
-                Value::Int(port),
-                Value::BulkString(b"id".to_vec()),
-            ])
-        };
-        let range = |from: i64, to: i64, port: i64| {
-            Value::Array(vec![
-                Value::Int(from),
-                Value::Int(to),
-                node(port),
-                node(port + 100),
-            ])
-        };
-        let one_shard = Value::Array(vec![range(0, 8000, 7001), range(8001, 16383, 7001)]);
-        assert_eq!(slot_primaries(&one_shard), Some(1));
-        let three = Value::Array(vec![
-            range(0, 5460, 7001),
-            range(5461, 10922, 7002),
-            range(10923, 16383, 7003),
-        ]);
-        assert_eq!(slot_primaries(&three), Some(3));
-        assert_eq!(slot_primaries(&Value::Okay), None);
-        assert_eq!(
-            slot_primaries(&Value::Array(vec![Value::Array(vec![Value::Int(0)])])),
-            None
-        );
     }
 
     #[test]

@@ -89,10 +89,12 @@ impl RedisStore {
     /// by itself after a drop.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] (field `url`) for an address the driver cannot use, or for a
-    /// node of a cluster whose slots more than one primary serves (`INFO cluster` says
-    /// `cluster_enabled:1` and `CLUSTER SLOTS` names several primaries: use
-    /// [`connect_cluster`](Self::connect_cluster)); [`Error::Unavailable`] when the server cannot
+    /// [`Error::InvalidInput`] (field `url`) for an address the driver cannot use, or for any
+    /// node of a Redis Cluster (`INFO cluster` says `cluster_enabled:1`), even one that serves
+    /// every slot (a single-shard cluster): a cluster node refuses (`CROSSSLOT`) a script over
+    /// keys of several hash slots, which batches and `complete_with` send on one server, so use
+    /// [`connect_cluster`](Self::connect_cluster). A server that refuses `INFO` (an ACL, a
+    /// proxy) cannot be judged and is let through. [`Error::Unavailable`] when the server cannot
     /// be reached within the configured timeouts.
     pub async fn connect(url: &str) -> Result<Self> {
         Self::connect_with(url, RedisConfig::default()).await
@@ -139,7 +141,9 @@ impl RedisStore {
     /// retry settings). [`RedisConfig::operation_timeout`] still bounds every operation.
     ///
     /// The scripts are not preloaded: each is sent in full on its first call (`EVAL` after the
-    /// server answers `NOSCRIPT`), then by SHA.
+    /// server answers `NOSCRIPT`), then by SHA. The server is not asked whether it runs in
+    /// cluster mode, as [`RedisStore::connect`] does: a manager to a cluster node, even of a
+    /// single-shard cluster, belongs in [`RedisStore::from_cluster_connection`] instead.
     pub fn from_connection_manager(manager: ConnectionManager, config: RedisConfig) -> Self {
         Self::from_conn(Conn::Single(manager), config)
     }
