@@ -94,8 +94,11 @@ fn checked(items: &[Result<Item>], i: usize) -> &Item {
 }
 
 /// Whether an item's reply is the cluster's refusal of a key its node does not serve (the
-/// slot moved since the map was read): raised at the item's first read, before any write, so
-/// the item is sent again to the slot's node.
+/// slot moved since the map was read, no node serves it, or it is being migrated): raised at
+/// the item's first read, before any write (the script's `load` may have wrapped it as
+/// `IDEMCORRUPT the key holds no idem record (<refusal>)`), so the item is sent again on its
+/// own to the slot's node, where the cluster's answer decides (a redirect followed, or a
+/// retryable `Unavailable`), never taken for a corrupt record.
 fn misplaced(reply: &Value) -> bool {
     let Value::Array(parts) = reply else {
         return false;
@@ -108,8 +111,17 @@ fn misplaced(reply: &Value) -> bool {
         Value::SimpleString(s) => s.as_str().into(),
         _ => return false,
     };
-    text.contains("non local key") || text.contains("cluster is down")
+    MISPLACED.iter().any(|refusal| text.contains(refusal))
 }
+
+/// What Redis says when a script touches an undeclared key its node cannot serve now: another
+/// node's, an unassigned slot's, a slot being migrated, or any while the cluster is down.
+const MISPLACED: [&str; 4] = [
+    "non local key",
+    "slot not served",
+    "during rehashing of the slot",
+    "cluster is down",
+];
 
 /// Adds the arguments of the items of `group` to a batch call (see `lua/batch.lua`): how many
 /// each item has, which of them every item of the group shares (a `1` per shared position, a `0`
@@ -551,3 +563,39 @@ impl std::fmt::Display for Shared {
 }
 
 impl std::error::Error for Shared {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(text: &str) -> Value {
+        Value::Array(vec![
+            Value::Int(-1),
+            Value::BulkString(text.as_bytes().to_vec()),
+        ])
+    }
+
+    #[test]
+    fn a_refused_undeclared_key_is_misplaced_not_corrupt() {
+        // Redis 7's refusals of an undeclared key a script touches, as the item's first read
+        // answers them, and as the script's `load` wraps them.
+        for refusal in [
+            "ERR Script attempted to access a non local key in a cluster node",
+            "ERR Script attempted to access a slot not served",
+            "ERR Unable to execute command 'get' in script because undeclared keys were \
+             accessed during rehashing of the slot",
+            "ERR Script attempted to execute a command while the cluster is down",
+        ] {
+            assert!(misplaced(&item(refusal)), "{refusal}");
+            let wrapped = format!("IDEMCORRUPT the key holds no idem record ({refusal})");
+            assert!(misplaced(&item(&wrapped)), "{wrapped}");
+        }
+        assert!(!misplaced(&item(
+            "IDEMCORRUPT unknown record format (the first byte is 9)"
+        )));
+        assert!(!misplaced(&Value::Array(vec![
+            Value::Int(0),
+            Value::Int(1)
+        ])));
+    }
+}
