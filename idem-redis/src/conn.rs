@@ -61,7 +61,9 @@ impl Conn {
         let manager = bounded(STANDALONE, config.operation_timeout, connect)
             .await
             .map_err(|e| config_error(url, e))?;
-        refuse_cluster_node(&manager, url, config.operation_timeout).await?;
+        if refuse_cluster_node(&manager, url, config.operation_timeout).await? {
+            warn_if_evicting(&mut manager.clone(), STANDALONE, config.operation_timeout).await;
+        }
         Ok(Self::Single(manager))
     }
 
@@ -94,6 +96,7 @@ impl Conn {
         let conn = bounded(CLUSTER, config.operation_timeout, connect)
             .await
             .map_err(|e| config_error(&nodes.join(","), e))?;
+        warn_if_evicting(&mut conn.clone(), CLUSTER, config.operation_timeout).await;
         Ok(Self::Cluster(conn))
     }
 
@@ -503,6 +506,65 @@ fn invalid_url(url: &str, e: RedisError) -> Error {
     )
 }
 
+/// The `maxmemory-policy` values a server may answer (`CONFIG GET maxmemory-policy`, on a
+/// cluster the node's that answers), other than `noeviction`.
+fn evicting_policies(reply: &Value) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut strings = Vec::new();
+    collect_strings(reply, &mut strings);
+    for s in strings {
+        if s != "maxmemory-policy" && s != "noeviction" && !found.contains(&s) {
+            found.push(s);
+        }
+    }
+    found
+}
+
+fn collect_strings(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => out.push(s.clone()),
+        Value::Array(items) | Value::Set(items) => {
+            items.iter().for_each(|v| collect_strings(v, out));
+        }
+        Value::Map(pairs) => pairs.iter().for_each(|(k, v)| {
+            collect_strings(k, out);
+            collect_strings(v, out);
+        }),
+        _ => {}
+    }
+}
+
+/// Warns (a `tracing` warning, once per connect) when the server may evict keys under memory
+/// pressure: with a `maxmemory-policy` other than `noeviction`, Redis may drop a finished
+/// record before its retention ends (a forgotten completion: the work runs again), or under
+/// `allkeys-*` one in progress. A server that refuses `CONFIG` (managed services often do) or
+/// does not answer in time is not judged: nothing is said but a debug line.
+async fn warn_if_evicting<C: ConnectionLike + Send>(
+    conn: &mut C,
+    store: &'static str,
+    timeout: Duration,
+) {
+    let mut get = redis::cmd("CONFIG");
+    get.arg("GET").arg("maxmemory-policy");
+    match bounded(store, timeout, get.query_async::<Value>(conn)).await {
+        Ok(reply) => {
+            for policy in evicting_policies(&reply) {
+                tracing::warn!(
+                    store,
+                    maxmemory_policy = %policy,
+                    "the Redis server may evict keys (maxmemory-policy {policy}): an evicted \
+                     record is a forgotten completion, and its work runs again; set \
+                     maxmemory-policy noeviction"
+                );
+            }
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "CONFIG GET maxmemory-policy refused; the eviction policy is not checked");
+        }
+    }
+}
+
 /// Refuses a server that runs in cluster mode (`INFO cluster` says `cluster_enabled:1`), however
 /// its slots are spread. With several primaries one connection to one node would see only that
 /// node's keys (a listing would silently miss the rest, and every other key would answer
@@ -512,11 +574,14 @@ fn invalid_url(url: &str, e: RedisError) -> Error {
 /// server. A server that refuses `INFO` (an ACL, a renamed command, a proxy) or answers in a way
 /// not understood cannot be told apart and is let through: this guard never stops a setup it
 /// cannot judge.
+///
+/// Returns whether the server answered `INFO` at all (one that did not is asked nothing more
+/// at connect).
 async fn refuse_cluster_node(
     manager: &ConnectionManager,
     url: &str,
     timeout: Duration,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
     let mut conn = manager.clone();
     let mut info = redis::cmd("INFO");
     info.arg("cluster");
@@ -524,11 +589,11 @@ async fn refuse_cluster_node(
         Ok(info) => info.lines().any(|line| line.trim() == "cluster_enabled:1"),
         Err(e) => {
             tracing::debug!(error = %e, "INFO cluster refused; cannot tell whether this is a cluster node");
-            false
+            return Ok(false);
         }
     };
     if !enabled {
-        return Ok(());
+        return Ok(true);
     }
     let scheme = url.split("://").next().unwrap_or("?");
     Err(Error::invalid(
