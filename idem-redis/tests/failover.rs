@@ -11,7 +11,6 @@
 mod common;
 
 use std::collections::HashSet;
-use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -39,21 +38,7 @@ impl PrivateCluster {
             return None;
         }
         let nodes: Vec<PrivateRedis> = (0..6)
-            .map(|_| {
-                PrivateRedis::start_on_with(
-                    cluster_port(),
-                    &[
-                        "--appendonly",
-                        "no",
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-node-timeout",
-                        "500",
-                    ],
-                )
-            })
+            .map(|_| common::start_cluster_node(&["--cluster-node-timeout", "500"]))
             .collect();
         let created = Command::new("redis-cli")
             .args(["--cluster", "create"])
@@ -75,19 +60,6 @@ impl PrivateCluster {
             .iter()
             .find(|n| n.port == port)
             .expect("a node of this cluster")
-    }
-}
-
-/// A free loopback port for a cluster node: at most 45,535, with its cluster bus port (10,000
-/// above) free too (a node refuses a port whose bus port would pass 65,535; free ports the
-/// system hands out may be that high).
-fn cluster_port() -> u16 {
-    loop {
-        let port = 20_000 + (uuid::Uuid::new_v4().as_u128() % 25_536) as u16;
-        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if free(port) && free(port + 10_000) {
-            return port;
-        }
     }
 }
 

@@ -10,7 +10,6 @@
 mod common;
 
 use std::collections::HashSet;
-use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -29,35 +28,13 @@ const RETENTION: Duration = Duration::from_secs(60);
 /// How long the node may take to serve every slot.
 const PATIENCE: Duration = Duration::from_secs(20);
 
-/// A free loopback port whose cluster bus port (10,000 above) is free and valid too.
-fn cluster_port() -> u16 {
-    loop {
-        let port = 20_000 + (uuid::Uuid::new_v4().as_u128() % 25_536) as u16;
-        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if free(port) && free(port + 10_000) {
-            return port;
-        }
-    }
-}
-
 /// A private node in cluster mode that serves every slot itself (`cluster_state:ok`); `None`
 /// (the test skips) when `redis-server` is missing outside CI. Killed on drop.
 async fn single_shard_cluster() -> Option<PrivateRedis> {
     if !common::programs(SUITE, &["redis-server"]) {
         return None;
     }
-    let node = PrivateRedis::start_on_with(
-        cluster_port(),
-        &[
-            "--appendonly",
-            "no",
-            "--cluster-enabled",
-            "yes",
-            // Relative to the node's own (fresh, temporary) data directory.
-            "--cluster-config-file",
-            "nodes.conf",
-        ],
-    );
+    let node = common::start_cluster_node(&[]);
     let mut admin = redis::Client::open(node.url())
         .unwrap()
         .get_multiplexed_async_connection()

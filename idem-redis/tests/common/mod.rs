@@ -123,6 +123,35 @@ pub async fn unreachable_cluster() -> idem_core::Result<RedisStore> {
     RedisStore::connect_cluster(["redis://127.0.0.1:1"]).await
 }
 
+/// A free loopback port for a cluster node: at most 45,535, with its cluster bus port (10,000
+/// above) free too (a node refuses a port whose bus port would pass 65,535; free ports the
+/// system hands out may be that high).
+pub fn cluster_port() -> u16 {
+    loop {
+        let port = 20_000 + (uuid::Uuid::new_v4().as_u128() % 25_536) as u16;
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 10_000) {
+            return port;
+        }
+    }
+}
+
+/// A private node in cluster mode ([`cluster_port`]), without persistence, its node file in its
+/// own data directory, with `extra` arguments; not yet part of any cluster.
+pub fn start_cluster_node(extra: &[&str]) -> PrivateRedis {
+    let mut args = vec![
+        "--appendonly",
+        "no",
+        "--cluster-enabled",
+        "yes",
+        // Relative to the node's own (fresh, temporary) data directory.
+        "--cluster-config-file",
+        "nodes.conf",
+    ];
+    args.extend_from_slice(extra);
+    PrivateRedis::start_on_with(cluster_port(), &args)
+}
+
 /// A redis-server this test process owns, on a free loopback port, killed on drop.
 pub struct PrivateRedis {
     child: Child,
