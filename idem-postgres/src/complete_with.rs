@@ -121,7 +121,7 @@ impl TransactionalStore for PostgresStore {
         if writes.is_empty() {
             return self.complete(lease, result, retention).await;
         }
-        let client = self.conn().await?;
+        let client = Unsettled(Some(self.conn().await?));
         let limit = self.inner.op_timeout;
         match tokio::time::timeout(
             limit,
@@ -130,17 +130,53 @@ impl TransactionalStore for PostgresStore {
         .await
         {
             Ok(ended) => {
-                if !ended.at_rest || client.is_closed() {
-                    drop(Object::take(client));
-                }
+                client.settle(ended.at_rest);
                 ended
                     .outcome
                     .unwrap_or_else(|| Err(Error::unavailable(STORE, Contention(MAX_ROUNDS))))
             }
             Err(_) => {
-                drop(Object::take(client));
+                drop(client);
                 Err(Error::timed_out(STORE, limit))
             }
+        }
+    }
+}
+
+/// The pooled connection of a `complete_with` under way. Unless the call ended with the
+/// connection at rest ([`settle`](Self::settle)), it leaves the pool when dropped: the server
+/// then rolls back whatever the closed connection did not commit. That covers the call's own
+/// timeout and a caller that gives up on the call (a timeout or `select!` of its own, an
+/// aborted task) while its transaction is open, say waiting for the row counts of a condition
+/// before `COMMIT`. Back in the pool, such a connection would carry the open transaction into
+/// the next calls on it: their statements, completions included, answered `Ok` and then
+/// committed with a later `COMMIT` (the failed condition's writes too) or never.
+struct Unsettled(Option<Object>);
+
+impl Unsettled {
+    /// Ends the call: back to the pool when `at_rest` (no transaction open) and still open,
+    /// otherwise out of it.
+    fn settle(mut self, at_rest: bool) {
+        if let Some(client) = self.0.take()
+            && (!at_rest || client.is_closed())
+        {
+            drop(Object::take(client));
+        }
+    }
+}
+
+impl std::ops::Deref for Unsettled {
+    type Target = Object;
+
+    fn deref(&self) -> &Object {
+        self.0.as_ref().expect("a connection until settled")
+    }
+}
+
+impl Drop for Unsettled {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            drop(Object::take(client));
         }
     }
 }

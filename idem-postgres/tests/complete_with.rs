@@ -849,6 +849,65 @@ async fn a_missing_privilege_is_backend_and_writes_nothing() {
 /// Lock and statement timeouts (and, the same way, serialization failures and deadlocks) are
 /// retryable, and roll everything back.
 #[tokio::test]
+async fn a_call_its_caller_gives_up_on_leaves_no_transaction_open_in_the_pool() {
+    // One pooled connection, so the next calls get the one the abandoned call used.
+    let Some(store) =
+        common::store_with(common::config(common::run_schema()).with_pool_size(1)).await
+    else {
+        return;
+    };
+    let observer = common::store_with(common::config(common::run_schema()))
+        .await
+        .expect("a second store");
+    let admin = common::admin().await;
+    let t = tables(&admin).await;
+    let ns = ns();
+    let a = acquire(&store, &AcquireRequest::new(ns.key("a").unwrap(), "w")).await;
+    let b = acquire(&store, &AcquireRequest::new(ns.key("b").unwrap(), "w")).await;
+
+    // A condition makes the call wait for the counts with its transaction open (COMMIT goes
+    // only once they are read); the caller gives up while it waits.
+    let writes = PgWrites::new()
+        .execute(t.insert(), ("given-up", 1i64, "alice", 0i64))
+        .expect_rows(5)
+        .execute("SELECT pg_sleep(1)", ());
+    let call = store.complete_with(&a, Bytes::from_static(b"a"), RETENTION, writes);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), call)
+            .await
+            .is_err(),
+        "the call was to be given up on"
+    );
+
+    // The next call on the pool's connection commits on its own, as another connection sees.
+    store
+        .complete(&b, Bytes::from_static(b"b"), RETENTION)
+        .await
+        .unwrap();
+    let seen = observer.get(&b.key).await.unwrap().unwrap();
+    assert!(
+        matches!(seen.state, RecordState::Completed { .. }),
+        "a completion that answered Ok is not committed: {:?}",
+        seen.state
+    );
+    let seen = observer.get(&a.key).await.unwrap().unwrap();
+    assert_eq!(
+        seen.state,
+        RecordState::InProgress,
+        "the given-up call wrote"
+    );
+    let entries: i64 = admin
+        .query_one(
+            &format!("SELECT count(*) FROM {} WHERE entry = 'given-up'", t.ledger),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(entries, 0, "the refused condition's write was committed");
+}
+
+#[tokio::test]
 async fn timeouts_are_unavailable_and_roll_back() {
     let Some(store) = common::store().await else {
         return;
