@@ -138,7 +138,13 @@ impl Heartbeats {
                 .map(|(_, state)| self.store.extend(&state.lease, self.ttl)),
         )
         .await;
-        let next = Instant::now() + self.every;
+        let now = Instant::now();
+        let next = now + self.every;
+        // A failed heartbeat is tried again after half an interval: with the interval at its
+        // largest (half the lease) that is three quarters of the lease after the last success,
+        // before the local deadline (nine tenths); a full interval would come after it, and
+        // one failure would cancel the handler.
+        let retry = now + self.every / 2;
         let mut state = self.lock();
         for ((id, held), result) in due.into_iter().zip(results) {
             let lease = &held.lease;
@@ -157,7 +163,11 @@ impl Heartbeats {
                 Err(e) => {
                     metrics::counter!(m::STORE_ERRORS, "namespace" => self.ns_label.clone())
                         .increment(1);
-                    tracing::warn!(key = lease.key.id(), token = lease.token.get(), error = %e, "heartbeat failed; trying again at the next interval (the handler is cancelled at its local lease deadline)");
+                    tracing::warn!(key = lease.key.id(), token = lease.token.get(), error = %e, "heartbeat failed; trying again after half an interval (the handler is cancelled at its local lease deadline)");
+                    if let Some(entry) = state.entries.get_mut(&id) {
+                        entry.due = retry;
+                    }
+                    continue;
                 }
             }
             if let Some(entry) = state.entries.get_mut(&id) {

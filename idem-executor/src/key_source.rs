@@ -92,7 +92,10 @@ impl KeySource {
     }
 
     /// A field of a JSON payload, addressed by a JSON pointer (RFC 6901, e.g. `/order/id`). A
-    /// string is taken as it is, a number as its JSON text; `null` or an absent field is missing.
+    /// string is taken as it is, an integer within 64 bits as its decimal text; `null` or an
+    /// absent field is missing. Any other number (a fraction, an exponent, an integer beyond 64
+    /// bits, even `1.0`) is refused as an invalid message: it is read as a 64-bit float, which
+    /// many texts share, so two different messages would get one key.
     pub fn json_pointer(pointer: impl Into<String>) -> Self {
         Self {
             kind: Kind::JsonPointer(Arc::from(pointer.into())),
@@ -158,7 +161,18 @@ impl KeySource {
             Kind::JsonPointer(pointer) => match json.get()?.pointer(pointer) {
                 None | Some(Value::Null) => None,
                 Some(Value::String(s)) => Some(s.clone()),
-                Some(Value::Number(n)) => Some(n.to_string()),
+                // An integer within 64 bits is held exactly; any other number was read as a
+                // 64-bit float, which many texts share (`12345678901234567890123` and
+                // `...124`, `0.1` and `0.10000000000000000001`): as a key it would make
+                // different messages one.
+                Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Some(n.to_string()),
+                Some(Value::Number(n)) => {
+                    return Err(ExecutorError::invalid_message(format!(
+                        "the key field {pointer:?} is the number {n}, which is not an integer \
+                         within 64 bits: it cannot be read exactly (other numbers would give \
+                         the same key); send the key as a string"
+                    )));
+                }
                 Some(other) => {
                     return Err(ExecutorError::invalid_message(format!(
                         "the key field {pointer:?} is {}, not a string or a number",

@@ -158,6 +158,32 @@ async fn key_extraction_variants() {
         get(KeySource::json_pointer("/order/obj")),
         Err(ExecutorError::InvalidMessage { .. })
     ));
+    // Integers within 64 bits are keys as they are; any other number is read as a float many
+    // texts share, so it is refused rather than made a key two messages could share.
+    let key_of =
+        |payload: &'static str| KeySource::json_pointer("/id").extract(&RawMessage::new(payload));
+    assert_eq!(key_of(r#"{"id": -42}"#).unwrap().as_deref(), Some("-42"));
+    assert_eq!(
+        key_of(r#"{"id": 18446744073709551615}"#)
+            .unwrap()
+            .as_deref(),
+        Some("18446744073709551615")
+    );
+    for number in [
+        "12345678901234567890123",
+        "12345678901234567890124",
+        "0.1",
+        "0.10000000000000000001",
+        "1.0",
+        "1e3",
+    ] {
+        let payload: &'static str = Box::leak(format!(r#"{{"id": {number}}}"#).into_boxed_str());
+        assert!(
+            matches!(key_of(payload), Err(ExecutorError::InvalidMessage { .. })),
+            "{number} must be refused as a key: {:?}",
+            key_of(payload)
+        );
+    }
     assert!(matches!(
         get(KeySource::header("binary")),
         Err(ExecutorError::InvalidMessage { .. })

@@ -834,3 +834,91 @@ async fn each_retry_of_a_failing_handler_waits_retry_growth_times_longer() {
         .unwrap_err();
     assert_eq!(e.field, "retry_growth", "{e}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_store_error_while_waiting_on_a_key_in_progress_answers_in_progress_even_failing_open() {
+    use idem_core::{AcquireOutcome, AcquireRequest};
+    use idem_executor::InProgressWait;
+
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    // Another worker holds the key and is running its handler.
+    let key = idem_core::Namespace::new("pay")
+        .unwrap()
+        .key("charge-1")
+        .unwrap();
+    let holder = AcquireRequest::new(key, "worker-a").with_lease_ttl(Duration::from_secs(30));
+    assert!(matches!(
+        store.acquire(&holder).await.unwrap(),
+        AcquireOutcome::Acquired { .. }
+    ));
+    let exec = Executor::builder(store.clone())
+        .config(
+            ExecutorConfig::new("pay")
+                .with_owner("worker-b")
+                .with_store_errors(StoreErrorPolicy::FailOpen)
+                .with_in_progress_wait(
+                    InProgressWait::default().with_min_delay(Duration::from_millis(50)),
+                ),
+        )
+        .build()
+        .unwrap();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let run = {
+        let ran = ran.clone();
+        tokio::spawn(async move {
+            exec.run(&msg("charge-1"), |_| async move {
+                ran.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, HandlerError>(())
+            })
+            .await
+        })
+    };
+    // The first acquire answered in progress; one of the polls after it fails.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        store.calls(Op::Acquire),
+        2,
+        "the holder's and the first poll"
+    );
+    store.refuse(Op::Acquire, 1);
+    let outcome = run.await.unwrap().unwrap();
+    assert!(
+        matches!(&outcome, Outcome::InProgress { owner, .. } if owner == "worker-a"),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        0,
+        "the handler ran beside its holder"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_failed_heartbeat_at_the_largest_interval_is_tried_again_before_the_deadline() {
+    // A 10 s lease beaten every 5 s (the largest interval the configuration takes), a handler
+    // of 12 s, and the first extend refused: the retry must come before the local deadline
+    // (9 s after the acquire), not a whole interval later.
+    let store = Arc::new(FaultyStore::new(MemoryStore::new()));
+    let exec = Executor::builder(store.clone())
+        .config(
+            ExecutorConfig::new("beat")
+                .with_lease_ttl(Duration::from_secs(10))
+                .with_heartbeat_interval(Duration::from_secs(5)),
+        )
+        .build()
+        .unwrap();
+    store.refuse(Op::Extend, 1);
+    let outcome = exec
+        .run(&msg("slow"), |_| async {
+            tokio::time::sleep(Duration::from_secs(12)).await;
+            Ok::<_, HandlerError>(())
+        })
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Executed(())), "{outcome:?}");
+    assert_eq!(
+        store.calls(Op::Extend),
+        2,
+        "the refused one at 5 s and its retry at 7.5 s"
+    );
+}

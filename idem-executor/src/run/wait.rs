@@ -67,8 +67,18 @@ impl<C, R> Executor<C, R> {
                 .min(*retry_after + Duration::from_millis(1))
                 .min(deadline.map_or(Duration::MAX, |deadline| deadline - now));
             tokio::time::sleep(delay).await;
-            sent = Instant::now();
-            outcome = self.inner.store.acquire(req).await?;
+            let polled = Instant::now();
+            match self.inner.store.acquire(req).await {
+                Ok(next) => (outcome, sent) = (next, polled),
+                // The key was in progress at the last answer, and an error says nothing
+                // against that: the wait ends with that answer. Passed up, the error would be a
+                // store failure as if the key had never been seen, and `FailOpen` would run the
+                // handler beside the holder known to run it.
+                Err(e) => {
+                    tracing::warn!(error = %e, "the store failed while the key was waited on in progress; answering in progress");
+                    break;
+                }
+            }
         }
         Ok((outcome, sent))
     }
