@@ -922,3 +922,42 @@ async fn one_failed_heartbeat_at_the_largest_interval_is_tried_again_before_the_
         "the refused one at 5 s and its retry at 7.5 s"
     );
 }
+
+/// A result whose `Serialize` panics (its `Deserialize` is never reached: nothing is stored).
+#[derive(Debug, serde::Deserialize)]
+struct PanicsWhenSerialized;
+
+impl serde::Serialize for PanicsWhenSerialized {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        panic!("no serializing this")
+    }
+}
+
+#[tokio::test]
+async fn a_result_whose_serialize_panics_is_not_stored_and_the_executor_goes_on() {
+    let store = MemoryStore::new();
+    let exec = Executor::builder(Arc::new(store.clone()))
+        .config(ExecutorConfig::new("bomb"))
+        .build()
+        .unwrap();
+    let outcome = exec
+        .run(&msg("bomb"), |_| async {
+            Ok::<_, HandlerError>(PanicsWhenSerialized)
+        })
+        .await
+        .unwrap();
+    match &outcome {
+        Outcome::ResultNotStored { error } => {
+            assert!(error.contains("panicked: no serializing this"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let record = record(&store, &exec, "bomb").await;
+    assert_eq!(record.state.name(), "failed_result_not_stored");
+    // The executor still works.
+    let next = exec
+        .run(&msg("next"), |_| async { Ok::<_, HandlerError>(1u8) })
+        .await
+        .unwrap();
+    assert!(matches!(next, Outcome::Executed(1)), "{next:?}");
+}

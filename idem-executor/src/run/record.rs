@@ -106,7 +106,19 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
     ) -> Result<Outcome<T>, ExecutorError> {
         let inner = &self.inner;
         let (value, writes) = R::split(returned);
-        let bytes = match inner.codec.encode(&value) {
+        // A `Serialize` that panics is the handler's code too: caught as the handler's own
+        // panics are, it is a result that does not encode (in a batch, unwinding would drop
+        // the other messages' handlers mid-effect).
+        let encoded =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.codec.encode(&value)))
+                .unwrap_or_else(|panic| {
+                    Err(format!(
+                        "serializing the result panicked: {}",
+                        panic_message(&*panic)
+                    )
+                    .into())
+                });
+        let bytes = match encoded {
             Ok(bytes) if bytes.len() <= inner.max_result_len => Bytes::from(bytes),
             Ok(bytes) => {
                 let detail = format!(
