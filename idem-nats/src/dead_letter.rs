@@ -75,11 +75,8 @@ pub fn unescape(value: &str) -> String {
 /// with `…`. The cut comes after the escaping, so the value the server gets is within the limit
 /// even for a text of many line breaks, and it never splits an escape sequence in two.
 fn header_value(fit: Fit, text: &str) -> String {
-    let escaped = if text.contains('\0') {
-        escape(&text.replace('\0', "\\0"))
-    } else {
-        escape(text)
-    };
+    // (`fit_text` with no limit only writes a NUL as `\0`, as `Fit::cut` would.)
+    let escaped = escape(&idem_core::fit_text(text, usize::MAX));
     if escaped.len() <= fit.limit() {
         return escaped;
     }
