@@ -4,6 +4,7 @@ use serde_json::Value;
 
 use crate::config::ConfigError;
 use crate::error::ExecutorError;
+use crate::exact_json;
 use crate::key_source::{PayloadJson, check_pointer};
 use crate::message::Message;
 use idem_core::Fingerprint;
@@ -20,8 +21,11 @@ pub enum FingerprintPolicy {
     /// SHA-256 of the JSON fields at these JSON pointers (RFC 6901), for payloads that carry
     /// volatile fields (timestamps, trace ids) beside the request itself. Each field is hashed
     /// with its pointer, in canonical form (object keys sorted, no whitespace), so key order and
-    /// formatting do not matter; an absent field hashes differently from `null`. A payload that is
-    /// not JSON is an [`ExecutorError::InvalidMessage`].
+    /// formatting do not matter; an absent field hashes differently from `null`. Numbers are
+    /// compared exactly, digit for digit, even past a double's precision
+    /// (`20000000000000000001` and `20000000000000000000` differ); an integer and the same value
+    /// written with a fraction or an exponent (`1` and `1.0`) differ too. A payload that is not JSON is an
+    /// [`ExecutorError::InvalidMessage`].
     JsonFields(Vec<String>),
     /// No fingerprint: records never conflict. Turning conflict detection off is explicit.
     Off,
@@ -63,7 +67,23 @@ impl FingerprintPolicy {
                         None => field.push(b'-'),
                         Some(v) => {
                             field.push(b'=');
-                            canonical(v, &mut field);
+                            if holds_a_double(v) {
+                                // Doubles may have lost digits: the field's own text decides.
+                                let found = exact_json::field(json.payload(), pointer, &mut field)
+                                    .map_err(|e| {
+                                        ExecutorError::invalid_message(format!(
+                                            "the payload is not JSON: {e}"
+                                        ))
+                                    })?;
+                                if found.is_none() {
+                                    return Err(ExecutorError::invalid_message(format!(
+                                        "the fingerprint field {pointer:?} was found in the \
+                                         parsed payload but not in its text"
+                                    )));
+                                }
+                            } else {
+                                canonical(v, &mut field);
+                            }
                         }
                     }
                     parts.push(field);
@@ -84,6 +104,17 @@ impl FingerprintPolicy {
                 .try_for_each(|p| check_pointer("fingerprint", p)),
             _ => Ok(()),
         }
+    }
+}
+
+/// Whether `v` holds a number `Value` keeps as a double (any number not a 64-bit integer),
+/// which may have lost digits of the payload's.
+fn holds_a_double(v: &Value) -> bool {
+    match v {
+        Value::Number(n) => n.is_f64(),
+        Value::Array(items) => items.iter().any(holds_a_double),
+        Value::Object(map) => map.values().any(holds_a_double),
+        _ => false,
     }
 }
 
@@ -142,6 +173,64 @@ mod tests {
         assert_ne!(fp(&a), fp(&c));
         assert_ne!(fp(&d), fp(&e));
         assert!(policy.compute(&RawMessage::new("not json")).is_err());
+    }
+
+    /// A key reused with an amount that differs only past a double's 17 significant digits (an
+    /// amount in wei, a high-precision decimal) is a conflict, not a replay of the other amount.
+    #[test]
+    fn amounts_that_differ_past_a_doubles_precision_fingerprint_apart() {
+        let policy = FingerprintPolicy::json_fields(["/amount"]);
+        let fp = |payload: &str| {
+            policy
+                .compute(&RawMessage::new(payload.to_owned()))
+                .unwrap()
+        };
+        for (a, b) in [
+            ("20000000000000000001", "20000000000000000000"),
+            ("100.00000000000000001", "100.0"),
+            ("-9223372036854775809", "-9223372036854775808.0"),
+            ("[1.5, 18446744073709551617]", "[1.5, 18446744073709551616]"),
+            (r#"{"v": 0.30000000000000000001}"#, r#"{"v": 0.3}"#),
+        ] {
+            let (a, b) = (
+                format!(r#"{{"amount": {a}}}"#),
+                format!(r#"{{"amount": {b}}}"#),
+            );
+            assert_ne!(fp(&a), fp(&b), "{a} and {b}");
+            let spaced = a.replace(':', " :  ");
+            assert_eq!(fp(&a), fp(&spaced), "{a} and {spaced}");
+        }
+    }
+
+    /// Numbers a double holds exactly fingerprint as they did before numbers were read from the
+    /// text, so a record stored by an earlier version still matches its message's copies.
+    #[test]
+    fn exact_numbers_keep_the_fingerprint_of_the_parsed_value() {
+        let pointers = ["/amount", "/meta"];
+        let policy = FingerprintPolicy::json_fields(pointers);
+        for payload in [
+            r#"{"amount": 12.50, "meta": {"b": [0.1, 1e-7, -0.0], "a": 5555.5E57}}"#,
+            r#"{"amount": 3, "meta": [1.0, 2, "x"]}"#,
+            r#"{"amount": 1e21}"#,
+        ] {
+            let doc: Value = serde_json::from_str(payload).unwrap();
+            let mut parts = Vec::new();
+            for pointer in pointers {
+                parts.push(pointer.as_bytes().to_vec());
+                let mut field = Vec::new();
+                match doc.pointer(pointer) {
+                    None => field.push(b'-'),
+                    Some(v) => {
+                        field.push(b'=');
+                        canonical(v, &mut field);
+                    }
+                }
+                parts.push(field);
+            }
+            let before = Fingerprint::of_parts(parts);
+            let now = policy.compute(&RawMessage::new(payload)).unwrap().unwrap();
+            assert_eq!(now, before, "{payload}");
+        }
     }
 
     /// Found by the `json_fingerprint` fuzz target: serde_json's default float parsing is fast

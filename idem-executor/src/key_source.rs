@@ -262,6 +262,11 @@ impl<'a> PayloadJson<'a> {
         }
     }
 
+    /// The payload's bytes.
+    pub(crate) fn payload(&self) -> &'a [u8] {
+        self.payload
+    }
+
     pub(crate) fn get(&self) -> Result<&Value, ExecutorError> {
         self.parsed
             .get_or_init(|| serde_json::from_slice(self.payload).map_err(|e| e.to_string()))

@@ -6,6 +6,7 @@ mod config;
 mod context;
 mod dead_letter;
 mod error;
+mod exact_json;
 mod fingerprint_policy;
 mod handler;
 mod heartbeat;

@@ -169,8 +169,18 @@ pub(crate) fn migrations_table(n: &Names) -> String {
 /// A stable 64-bit key for `pg_advisory_xact_lock`, derived from the table's qualified name
 /// (FNV-1a, so it is the same in every process and every build).
 pub(crate) fn advisory_key(n: &Names) -> i64 {
+    fnv1a(&format!("idem-postgres migrate {}.{}", n.schema, n.table))
+}
+
+/// The advisory key a migration holds while it creates the table's schema; taken after the
+/// table's own key, never before it, so two migrations cannot wait on each other.
+pub(crate) fn schema_advisory_key(n: &Names) -> i64 {
+    fnv1a(&format!("idem-postgres schema {}", n.schema))
+}
+
+fn fnv1a(text: &str) -> i64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in format!("idem-postgres migrate {}.{}", n.schema, n.table).bytes() {
+    for b in text.bytes() {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }

@@ -22,7 +22,8 @@ use crate::error::{
     Contention, STORE, is_untranslatable, map_pg, map_pool, map_store_pg, untranslatable,
 };
 use crate::schema::{
-    MIGRATIONS, MigrationReport, advisory_key, migrations_table, validate_constraints,
+    MIGRATIONS, MigrationReport, advisory_key, migrations_table, schema_advisory_key,
+    validate_constraints,
 };
 use crate::sql::{Names, Sql, Stmt};
 
@@ -212,6 +213,16 @@ impl PostgresStore {
             .map_err(map_pg)?
             .is_some();
         if !schema_exists {
+            // The table's lock does not serialize two migrations of different tables into one
+            // new schema, and two `CREATE SCHEMA IF NOT EXISTS` at once can both find it missing
+            // and one then fail on the catalog's unique index (23505). The schema's own lock,
+            // always taken after a table's, makes the second wait and find the schema made.
+            tx.execute(
+                "SELECT pg_advisory_xact_lock($1::bigint)",
+                &[&schema_advisory_key(n)],
+            )
+            .await
+            .map_err(map_pg)?;
             tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", n.qschema))
                 .await
                 .map_err(map_pg)?;

@@ -26,6 +26,34 @@ fn acquired(outcome: AcquireOutcome) -> idem_core::Lease {
 
 const RETENTION: Duration = Duration::from_secs(3600);
 
+/// Different tables migrated at once into one schema that does not exist yet: each migration
+/// creates the schema, and none may fail because another created it first.
+#[tokio::test]
+async fn migrations_of_different_tables_into_one_new_schema_run_at_once() {
+    if !common::server() {
+        return;
+    }
+    let admin = common::admin().await;
+    for _round in 0..6 {
+        let schema = common::fresh_schema();
+        let mut stores = Vec::new();
+        for table in ["a", "b", "c", "d"] {
+            let config = common::config(&schema).with_table(format!("new_schema_{table}"));
+            stores.push(PostgresStore::connect(config).await.unwrap());
+        }
+        let runs = futures::future::join_all(stores.iter().map(PostgresStore::migrate)).await;
+        for run in &runs {
+            let report = run.as_ref().expect("every table's migration succeeds");
+            let every: Vec<u32> = (1..=idem_postgres::SCHEMA_VERSION).collect();
+            assert_eq!(report.applied, every, "{runs:?}");
+        }
+        admin
+            .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+            .await
+            .unwrap();
+    }
+}
+
 #[tokio::test]
 async fn migrate_is_idempotent_and_concurrent() {
     if !common::server() {
