@@ -58,3 +58,21 @@ impl Clock for ManualClock {
         *self.now.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
+
+/// The latest clock reading a store acts on: the end of the year 9999 (UTC). A lease or a
+/// retention (at most [`MAX_RETENTION`](crate::MAX_RETENTION)) added to any earlier reading
+/// fits in a `SystemTime` on every platform.
+const LATEST: Duration = Duration::from_secs(253_402_300_799);
+
+/// `now`, when a store may act on it: a reading past the year 9999 (a broken clock, a garbage
+/// server time) is [`Error::Backend`](crate::Error::Backend), before anything is written,
+/// instead of a panic on the deadline it would give.
+pub(crate) fn checked(store: &'static str, now: SystemTime) -> crate::Result<SystemTime> {
+    match now.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(since) if since > LATEST => Err(crate::Error::backend(
+            store,
+            format!("the clock reads {since:?} after 1970, past the year 9999"),
+        )),
+        _ => Ok(now),
+    }
+}

@@ -251,8 +251,8 @@ impl MemoryStore {
         Ok(lock(&self.inner.shards[index]))
     }
 
-    fn now(&self) -> SystemTime {
-        self.inner.clock.now()
+    fn now(&self) -> Result<SystemTime> {
+        crate::clock::checked("memory", self.inner.clock.now())
     }
 
     fn next_token(&self) -> FencingToken {
@@ -261,7 +261,7 @@ impl MemoryStore {
 
     fn finish(&self, lease: &Lease, how: Finish<'_>) -> Result<()> {
         let mut shard = self.shard(&lease.key)?;
-        let now = self.now();
+        let now = self.now()?;
         let before = shard.state(&lease.key);
         let result = machine::finish(shard.records.get_mut(&lease.key), lease, how, now).map(drop);
         shard.sync(&lease.key, before);
@@ -270,8 +270,9 @@ impl MemoryStore {
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding a shard lock cannot leave a record half-written: every mutation is a
-    // whole-value assignment computed before it is made.
+    // A panic while holding a shard lock could leave a record half-changed (the machine changes
+    // a record in place), so nothing that runs under the lock may panic: deadlines are computed
+    // from a checked clock (`clock::checked`) and bounded durations, and no user code runs there.
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -288,7 +289,7 @@ impl IdempotencyStore for MemoryStore {
     async fn acquire(&self, req: &AcquireRequest) -> Result<AcquireOutcome> {
         req.validate()?;
         let mut shard = self.shard(&req.key)?;
-        let now = self.now();
+        let now = self.now()?;
         match machine::acquire(shard.records.get(&req.key), req, now, || self.next_token()) {
             AcquireDecision::Write(record, outcome) => {
                 shard.insert(record);
@@ -301,7 +302,7 @@ impl IdempotencyStore for MemoryStore {
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<Lease> {
         check_lease_ttl(ttl)?;
         let mut shard = self.shard(&lease.key)?;
-        let now = self.now();
+        let now = self.now()?;
         let record = machine::check_fence(shard.records.get_mut(&lease.key), lease, now)?;
         Ok(machine::extend(record, lease, ttl, now))
     }
@@ -341,7 +342,7 @@ impl IdempotencyStore for MemoryStore {
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>> {
         let shard = self.shard(key)?;
-        let now = self.now();
+        let now = self.now()?;
         Ok(shard
             .records
             .get(key)
@@ -351,7 +352,7 @@ impl IdempotencyStore for MemoryStore {
 
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool> {
         let mut shard = self.shard(key)?;
-        let now = self.now();
+        let now = self.now()?;
         Ok(shard.remove(key).is_some_and(|r| !r.is_expired(now)))
     }
 
@@ -385,7 +386,7 @@ impl IdempotencyStore for MemoryStore {
                 .copied()
                 .collect()
         };
-        let now = self.now();
+        let now = self.now()?;
         let mut found: Vec<Record> = Vec::new();
         let mut examined = 0u64;
         for shard in self.inner.shards.iter() {
@@ -431,7 +432,7 @@ impl IdempotencyStore for MemoryStore {
         if !self.inner.available.load(Ordering::SeqCst) {
             return Err(Error::unavailable("memory", SimulatedOutage));
         }
-        let now = self.now();
+        let now = self.now()?;
         let mut purged = 0usize;
         for shard in self.inner.shards.iter() {
             if purged >= limit {
@@ -477,7 +478,7 @@ impl crate::store::TransactionalStore for MemoryStore {
         }
         // Lock order: the record's shard, then the effects.
         let mut shard = self.shard(&lease.key)?;
-        let now = self.now();
+        let now = self.now()?;
         let before = shard.state(&lease.key);
         let result = complete_with_in(
             &mut shard.records,

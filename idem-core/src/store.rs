@@ -58,8 +58,9 @@ pub type DynStore = Arc<dyn IdempotencyStore>;
 /// `created_at`, and clears its retention deadline (records in progress are kept until finished).
 ///
 /// **Fenced transitions** (`extend`, `complete`, `fail`, `release`) are each ONE atomic operation
-/// (one round trip, with no read first) that succeeds only when the record exists, is not past
-/// retention, is `InProgress` and carries the lease's token. An expired lease whose key nobody
+/// (one round trip, with no read first; a store on the custom-store kit instead reads, then
+/// writes only if the value is still what it read) that succeeds only when the record exists, is
+/// not past retention, is `InProgress` and carries the lease's token. An expired lease whose key nobody
 /// took over is still valid.
 ///
 /// - `extend(lease, ttl)`: the lease now ends at store-now + `ttl`.
@@ -94,8 +95,12 @@ pub type DynStore = Arc<dyn IdempotencyStore>;
 /// progress, held by the same owner). A per-item error (bad input, `LeaseLost`) is that item's
 /// result; an error that stops the whole call (the store unreachable) is the call's `Err`, and
 /// then any item may or may not have taken effect, as for a single call. The trait's defaults
-/// loop over the single calls, so a store needs nothing more; stores that can do better answer a
-/// batch in one round trip (or one per server shard).
+/// loop over the single calls, so a store needs nothing more, and stop at the first
+/// [`Unavailable`](crate::Error::Unavailable) or [`NotSetUp`](crate::Error::NotSetUp), which is
+/// then the call's `Err` (the items after it would each wait out the same timeout to say the
+/// same); stores that can do better answer a batch in one round trip (or one per server shard).
+/// A store whose items reach the server as separate requests (DynamoDB's) may answer an outage
+/// per item instead: each item then says `Unavailable`, and callers treat both forms alike.
 ///
 /// **Infrastructure.** An unreachable store answers [`Error::Unavailable`](crate::Error::Unavailable)
 /// within a bounded time; it never hangs. A store that answers but lacks its table or schema
@@ -137,7 +142,7 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
         self.limits().check_batch(reqs.len())?;
         let mut out = Vec::with_capacity(reqs.len());
         for req in reqs {
-            out.push(self.acquire(req).await);
+            out.push(item_of_batch(self.acquire(req).await)?);
         }
         Ok(out)
     }
@@ -152,10 +157,10 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
         self.limits().check_batch(items.len())?;
         let mut out = Vec::with_capacity(items.len());
         for item in items {
-            out.push(
+            out.push(item_of_batch(
                 self.complete(&item.lease, item.result.clone(), retention)
                     .await,
-            );
+            )?);
         }
         Ok(out)
     }
@@ -166,10 +171,10 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
         self.limits().check_batch(items.len())?;
         let mut out = Vec::with_capacity(items.len());
         for item in items {
-            out.push(
+            out.push(item_of_batch(
                 self.fail(&item.lease, &item.error, item.kind, retention)
                     .await,
-            );
+            )?);
         }
         Ok(out)
     }
@@ -180,7 +185,7 @@ pub trait IdempotencyStore: Send + Sync + Debug + 'static {
         self.limits().check_batch(leases.len())?;
         let mut out = Vec::with_capacity(leases.len());
         for lease in leases {
-            out.push(self.release(lease).await);
+            out.push(item_of_batch(self.release(lease).await)?);
         }
         Ok(out)
     }
@@ -341,3 +346,12 @@ macro_rules! forward_store {
 }
 
 forward_store!(Arc, Box);
+
+/// One item's answer in the default batch loops: its own result, or, when it says the store is
+/// unreachable or not set up, the whole call's `Err` (see "Batches" on [`IdempotencyStore`]).
+fn item_of_batch<T>(answer: Result<T>) -> Result<Result<T>> {
+    match answer {
+        Err(e @ (Error::Unavailable { .. } | Error::NotSetUp { .. })) => Err(e),
+        other => Ok(other),
+    }
+}

@@ -20,9 +20,9 @@ use idem_core::kit::{
     storage_key,
 };
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Error, FailureKind, FencingToken, IdempotencyKey,
-    IdempotencyStore, Lease, ListQuery, LostLease, ManualClock, Namespace, RecordState, Result,
-    StateKind,
+    AcquireOutcome, AcquireRequest, Bytes, Completion, Error, Failure, FailureKind, FencingToken,
+    IdempotencyKey, IdempotencyStore, Lease, ListQuery, LostLease, ManualClock, Namespace,
+    RecordState, Result, StateKind,
 };
 use kit_memory::MapBackend;
 use proptest::prelude::*;
@@ -659,5 +659,159 @@ proptest! {
         let at = at % raw.len();
         raw[at] = to;
         let _ = decode("t", &key("k"), &raw);
+    }
+}
+
+/// The default batch loops stop at the first item that finds the store unavailable and answer
+/// it as the whole call's `Err`, as the stores with native batches do: before, every item waited
+/// out its own timeout (a batch of 100 on SQLite: up to 100 busy timeouts) and the call answered
+/// `Ok` with an `Unavailable` per item.
+#[tokio::test]
+async fn a_default_batch_stops_at_the_first_unavailable_item() {
+    let f = fixture();
+    f.probe.fail_load.store(u32::MAX, Ordering::SeqCst);
+    let reqs: Vec<_> = (0..10).map(|i| req(&format!("b{i}"), "o")).collect();
+    let before = f.probe.calls();
+    let answer = f.store.acquire_many(&reqs).await;
+    assert!(
+        matches!(answer, Err(Error::Unavailable { .. })),
+        "the call's Err: {answer:?}"
+    );
+    assert_eq!(
+        f.probe.calls().0 - before.0,
+        1,
+        "only the first item reached the backend"
+    );
+
+    // Per-item errors stay per item: an invalid lease does not stop the others.
+    f.probe.fail_load.store(0, Ordering::SeqCst);
+    let lease = acquired(&f.store, &req("c0", "o")).await;
+    let mut forged = lease.clone();
+    forged.token = FencingToken::new(lease.token.get() + 1_000_000_000);
+    let items = [
+        Completion::new(forged, Bytes::from_static(b"x")),
+        Completion::new(lease, Bytes::from_static(b"y")),
+    ];
+    let answers = f.store.complete_many(&items, RETENTION).await.unwrap();
+    assert!(
+        answers[0].as_ref().is_err_and(Error::is_lease_lost),
+        "{answers:?}"
+    );
+    assert!(answers[1].is_ok(), "{answers:?}");
+}
+
+/// `MemoryStore`'s outage answers a batch as the call's `Err`, as Redis and PostgreSQL do.
+#[tokio::test]
+async fn memory_store_outage_fails_each_batch_call_as_a_whole() {
+    let store = idem_core::MemoryStore::new();
+    let lease = acquired(&store, &req("m0", "o")).await;
+    store.set_available(false);
+    let reqs = [req("m1", "o"), req("m2", "o")];
+    assert!(matches!(
+        store.acquire_many(&reqs).await,
+        Err(Error::Unavailable { .. })
+    ));
+    let completions = [Completion::new(lease.clone(), Bytes::from_static(b"r"))];
+    assert!(matches!(
+        store.complete_many(&completions, RETENTION).await,
+        Err(Error::Unavailable { .. })
+    ));
+    let failures = [Failure::new(lease.clone(), "e", FailureKind::Retryable)];
+    assert!(matches!(
+        store.fail_many(&failures, RETENTION).await,
+        Err(Error::Unavailable { .. })
+    ));
+    assert!(matches!(
+        store.release_many(std::slice::from_ref(&lease)).await,
+        Err(Error::Unavailable { .. })
+    ));
+    store.set_available(true);
+    assert!(
+        store
+            .get(&lease.key)
+            .await
+            .unwrap()
+            .is_some_and(|r| r.state.kind() == StateKind::InProgress)
+    );
+}
+
+/// A key whose token is at the end of the 64-bit range (a foreign value, a broken clock) has no
+/// higher token to give: the acquire is refused and nothing is written. Before, the token
+/// saturated, the new holder got the old one's token, and the holder it took over from still
+/// passed the fence and completed.
+#[tokio::test]
+async fn no_token_past_the_end_of_the_range_is_handed_out_twice() {
+    let f = fixture();
+    let raw = storage_key(&key("end"));
+    let tombstone = encode(&Stored::Tombstone(FencingToken::new(u64::MAX - 5)));
+    f.probe
+        .inner
+        .store(&raw, tombstone.clone(), None)
+        .await
+        .unwrap();
+    let stores = f.probe.calls().1;
+    let answer = f.store.acquire(&req("end", "o")).await;
+    assert!(
+        matches!(answer, Err(Error::CorruptRecord { .. })),
+        "{answer:?}"
+    );
+    assert_eq!(f.probe.calls().1, stores, "nothing written");
+    let kept = f.probe.inner.load(&raw).await.unwrap().unwrap();
+    assert_eq!(kept.value, tombstone);
+}
+
+/// A clock past the year 9999 (a broken clock, a garbage server time) is a typed error before
+/// anything is written, on `MemoryStore` and the kit alike. Before, the deadline it gave
+/// overflowed `SystemTime` and panicked, in `MemoryStore` after the record had been changed in
+/// place: the record stayed completed with no retention, outside every listing.
+#[tokio::test]
+async fn a_clock_past_the_year_9999_is_refused_before_anything_changes() {
+    let start = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    let memory_clock = Arc::new(ManualClock::new(start));
+    let memory = idem_core::MemoryStore::with_clock(memory_clock.clone());
+    let f = fixture();
+    let memory_lease = acquired(&memory, &req("far", "o")).await;
+    let kit_lease = acquired(&f.store, &req("far", "o")).await;
+    // Near the end of what `SystemTime` holds on this platform, or at least past the year 9999.
+    let far =
+        Duration::from_secs(i64::MAX as u64 - 1_000 * 86_400) - Duration::from_secs(1_700_000_000);
+    let far = if start.checked_add(far).is_some() {
+        far
+    } else {
+        Duration::from_secs(300_000_000_000)
+    };
+    memory_clock.advance(far);
+    f.clock.advance(far);
+    let ten_years = idem_core::MAX_RETENTION;
+    for (name, store, lease) in [
+        ("memory", &memory as &dyn IdempotencyStore, &memory_lease),
+        ("kit", &f.store as &dyn IdempotencyStore, &kit_lease),
+    ] {
+        let completed = store
+            .complete(lease, Bytes::from_static(b"r"), ten_years)
+            .await;
+        assert!(
+            matches!(completed, Err(Error::Backend { .. })),
+            "{name}: {completed:?}"
+        );
+        let acquire = store.acquire(&req("other", "o")).await;
+        assert!(
+            matches!(acquire, Err(Error::Backend { .. })),
+            "{name}: {acquire:?}"
+        );
+    }
+    memory_clock.set(start + Duration::from_secs(1));
+    f.clock.set(start + Duration::from_secs(1));
+    for (name, store, lease) in [
+        ("memory", &memory as &dyn IdempotencyStore, &memory_lease),
+        ("kit", &f.store as &dyn IdempotencyStore, &kit_lease),
+    ] {
+        let record = store.get(&lease.key).await.unwrap().unwrap();
+        assert_eq!(
+            record.state.kind(),
+            StateKind::InProgress,
+            "{name}: unchanged"
+        );
+        assert_eq!(store.get(&key("other")).await.unwrap(), None, "{name}");
     }
 }

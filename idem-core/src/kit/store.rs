@@ -71,10 +71,11 @@ impl<B: CasBackend> KitStore<B> {
     }
 
     async fn now(&self) -> Result<SystemTime> {
-        Ok(match self.backend.now().await? {
+        let now = match self.backend.now().await? {
             Some(now) => now,
             None => self.options.clock.now(),
-        })
+        };
+        crate::clock::checked(self.backend.name(), now)
     }
 
     fn decode(
@@ -170,14 +171,36 @@ pub(crate) const TOKEN_SPREAD: u64 = 1 << 20;
 /// of a key by one owner in the same microsecond write equal bytes, and one whose write failed
 /// would take the other's record for its own and answer `Acquired` too, both holders passing
 /// the fence. With it they differ but once in 2^20 such coincidences.
-fn next_token(previous: Option<FencingToken>, now: SystemTime) -> FencingToken {
-    next_token_from(previous, now, rand::random_range(0..TOKEN_SPREAD))
+///
+/// `None` when no such token fits in 64 bits (a token or a clock near the end of the range: a
+/// foreign value or a broken clock; real tokens are about 2^51). Reusing the largest token
+/// instead would give a new holder the token of the one it took over, and both would pass the
+/// fence.
+fn next_token(
+    store: &'static str,
+    previous: Option<FencingToken>,
+    now: SystemTime,
+) -> Result<Option<FencingToken>> {
+    // 2^20 is a power of two, so the low bits of a uniform u64 are uniform below it.
+    let random = getrandom::u64()
+        .map_err(|e| Error::backend(store, format!("no random number for a new token: {e}")))?;
+    Ok(next_token_from(previous, now, random % TOKEN_SPREAD))
 }
 
 /// [`next_token`] with its random part given.
-fn next_token_from(previous: Option<FencingToken>, now: SystemTime, spread: u64) -> FencingToken {
-    let after = previous.map_or(1, |t| t.get().saturating_add(1));
-    FencingToken::new(after.max(micros(now)).saturating_add(spread))
+fn next_token_from(
+    previous: Option<FencingToken>,
+    now: SystemTime,
+    spread: u64,
+) -> Option<FencingToken> {
+    let after = match previous {
+        Some(t) => t.get().checked_add(1)?,
+        None => 1,
+    };
+    after
+        .max(micros(now))
+        .checked_add(spread)
+        .map(FencingToken::new)
 }
 
 #[async_trait]
@@ -195,7 +218,26 @@ impl<B: CasBackend> IdempotencyStore for KitStore<B> {
         self.update(&req.key, |stored, now| {
             let previous = stored.map(Stored::token);
             let record = stored.and_then(Stored::record);
-            match machine::acquire(record, req, now, || next_token(previous, now)) {
+            let token = next_token(self.backend.name(), previous, now)?;
+            let mut short = false;
+            let decision = machine::acquire(record, req, now, || {
+                token.unwrap_or_else(|| {
+                    short = true;
+                    FencingToken::new(u64::MAX)
+                })
+            });
+            if short {
+                return Err(Error::corrupt(
+                    self.backend.name(),
+                    req.key.to_string(),
+                    format!(
+                        "its fencing token ({}) or the clock is at the end of the 64-bit range: \
+                         no higher token exists to give a new holder",
+                        previous.map_or(0, FencingToken::get)
+                    ),
+                ));
+            }
+            match decision {
                 AcquireDecision::Write(record, mut outcome) => {
                     if let AcquireOutcome::Acquired { lease, .. } = &mut outcome {
                         lease.expires_at = codec::stored_time(lease.expires_at);
@@ -405,7 +447,9 @@ mod tests {
     fn tokens_rise_over_the_previous_and_follow_the_clock() {
         let t = SystemTime::UNIX_EPOCH + Duration::from_micros(1_000);
         let token = |previous: Option<u64>, now, spread| {
-            next_token_from(previous.map(FencingToken::new), now, spread).get()
+            next_token_from(previous.map(FencingToken::new), now, spread)
+                .unwrap()
+                .get()
         };
         assert_eq!(token(None, t, 0), 1_000);
         assert_eq!(token(Some(5), t, 0), 1_000);
@@ -413,14 +457,22 @@ mod tests {
         assert_eq!(token(Some(9_999), t, 0), 10_000);
         assert_eq!(token(None, SystemTime::UNIX_EPOCH, 0), 1);
         assert_eq!(token(Some(9_999), t, 7), 10_007);
-        assert_eq!(token(Some(u64::MAX - 1), t, 7), u64::MAX, "saturates");
+        assert_eq!(token(Some(u64::MAX - 8), t, 7), u64::MAX);
+        let none = |previous: Option<u64>, now, spread| {
+            next_token_from(previous.map(FencingToken::new), now, spread)
+        };
+        assert_eq!(none(Some(u64::MAX - 1), t, 7), None, "no saturation");
+        assert_eq!(none(Some(u64::MAX), t, 0), None);
+        let end = SystemTime::UNIX_EPOCH + Duration::from_micros(u64::MAX - 3);
+        assert_eq!(none(None, end, 7), None, "a clock at the end of the range");
     }
 
     #[test]
     fn two_acquisitions_in_one_microsecond_get_different_tokens() {
         let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
-        let tokens: std::collections::HashSet<u64> =
-            (0..64).map(|_| next_token(None, t).get()).collect();
+        let tokens: std::collections::HashSet<u64> = (0..64)
+            .map(|_| next_token("t", None, t).unwrap().unwrap().get())
+            .collect();
         // 64 draws of 2^20 collide with a chance of about 1 in 500: more than one equal pair
         // would be a broken spread.
         assert!(tokens.len() >= 63, "{} distinct of 64", tokens.len());
