@@ -18,7 +18,10 @@ pub enum RunnerError {
 
     /// SQS refused an operation the runner cannot do without: reading a queue's attributes at
     /// start (the queue or the dead-letter queue does not exist, or the credentials may not read
-    /// it), or receiving from a queue that was deleted while it ran.
+    /// it), or, for a reason that trying again cannot heal (the queue deleted, access or its KMS
+    /// key denied), receiving from the queue or sending a dead letter to the dead-letter queue
+    /// while it ran (`context` names the queue). Throttling, server errors and timeouts are
+    /// retried instead.
     #[error("sqs error while {context}: {source}")]
     Sqs {
         /// What the runner was doing.

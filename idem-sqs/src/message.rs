@@ -2,9 +2,11 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use aws_sdk_sqs::types::{Message as Received, MessageAttributeValue, MessageSystemAttributeName};
+use tokio::time::Instant;
 
 /// One received SQS message: its body, message attributes and system attributes, as the
 /// handler and the executor's key sources see it. Cheap to clone (shared behind an `Arc`).
@@ -23,6 +25,13 @@ pub struct SqsMessage {
 struct Inner {
     message: Received,
     queue_url: Arc<str>,
+    /// When the receive that returned it answered: SQS started the message's visibility clock
+    /// just before.
+    received_at: Instant,
+    /// Until when this receive surely keeps the message invisible: the receive's answer, or the
+    /// sending of the last visibility change SQS accepted, plus the visibility timeout it set.
+    /// Past it the visibility may have run out and the message be another receive's.
+    held_until: Mutex<Instant>,
 }
 
 impl fmt::Debug for SqsMessage {
@@ -40,12 +49,56 @@ impl fmt::Debug for SqsMessage {
 impl SqsMessage {
     /// Wraps a message received from the queue `queue_url`.
     pub fn new(message: Received, queue_url: impl Into<Arc<str>>) -> Self {
+        Self::received(message, queue_url, Duration::ZERO)
+    }
+
+    /// Wraps a message that a receive answering just now returned, with `visibility` as its
+    /// visibility timeout.
+    pub(crate) fn received(
+        message: Received,
+        queue_url: impl Into<Arc<str>>,
+        visibility: Duration,
+    ) -> Self {
+        let now = Instant::now();
         Self {
             inner: Arc::new(Inner {
                 message,
                 queue_url: queue_url.into(),
+                received_at: now,
+                held_until: Mutex::new(now + visibility),
             }),
         }
+    }
+
+    /// When the receive that returned it answered.
+    pub(crate) fn received_at(&self) -> Instant {
+        self.inner.received_at
+    }
+
+    /// Until when this receive surely keeps the message invisible (see [`held`](Self::held)).
+    pub(crate) fn held_until(&self) -> Instant {
+        *self
+            .inner
+            .held_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// SQS accepted a visibility change of `visibility` sent at `sent`: the message is invisible
+    /// until `sent + visibility` at least (SQS applied it after it was sent).
+    pub(crate) fn held(&self, sent: Instant, visibility: Duration) {
+        let mut until = self
+            .inner
+            .held_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *until = (*until).max(sent + visibility);
+    }
+
+    /// Whether the message's visibility may have run out by now: no visibility change was
+    /// accepted for a whole visibility timeout. It may then be another receive's.
+    pub(crate) fn may_have_lapsed(&self) -> bool {
+        Instant::now() >= self.held_until()
     }
 
     /// The queue it was received from.
@@ -144,6 +197,38 @@ mod tests {
             .set_binary_value(b.map(Blob::new))
             .build()
             .unwrap()
+    }
+
+    /// The receive holds the message for a visibility timeout from its answer; each change SQS
+    /// accepted holds it from when it was sent; past the last hold it may be another receive's.
+    #[tokio::test]
+    async fn the_hold_runs_from_the_receive_and_each_accepted_change() {
+        let visibility = Duration::from_secs(1);
+        let msg = SqsMessage::received(Received::builder().build(), "http://q", visibility);
+        assert_eq!(msg.held_until(), msg.received_at() + visibility);
+        assert!(!msg.may_have_lapsed());
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let sent = Instant::now();
+        msg.held(sent, visibility);
+        assert_eq!(msg.held_until(), sent + visibility);
+        msg.held(msg.received_at(), visibility);
+        assert_eq!(
+            msg.held_until(),
+            sent + visibility,
+            "an older change holds no longer"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !msg.may_have_lapsed(),
+            "held by the change, past the receive's hold"
+        );
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(msg.may_have_lapsed());
+        let unknown = SqsMessage::new(Received::builder().build(), "http://q");
+        assert!(
+            unknown.may_have_lapsed(),
+            "a message not received here holds nothing"
+        );
     }
 
     #[test]

@@ -37,8 +37,10 @@ pub struct RunnerOptions {
     pub max_in_flight: usize,
     /// The most messages asked for by one `ReceiveMessage` (default 10, at most 10).
     pub batch_size: usize,
-    /// How long one `ReceiveMessage` waits for messages (long polling; default 20 s, at most
-    /// 20 s; whole seconds). Also the longest a shutdown waits for the receive in flight.
+    /// How long one `ReceiveMessage` waits for messages (long polling; default 20 s; 1 s to
+    /// 20 s, whole seconds). Zero (short polling) is refused: an empty queue would be polled
+    /// again at once, in a loop of billed requests. A shutdown waits for the receive in flight
+    /// up to this plus [`call_timeout`](Self::call_timeout) (see the crate docs' "Shutdown").
     pub wait_time: Duration,
     /// The visibility timeout asked for at each receive and set again at each extension while
     /// the message is processed (default 30 s; whole seconds, at least 2 s, at most 12 h). It is
@@ -46,8 +48,10 @@ pub struct RunnerOptions {
     pub visibility_timeout: Duration,
     /// How often the visibility of a message in process is extended. Default `None`: the
     /// executor's heartbeat interval or a third of the visibility timeout, whichever is shorter,
-    /// so the visibility is extended at least as often as the lease. At most half the
-    /// visibility timeout.
+    /// so the visibility is extended at least as often as the lease. At most a third of the
+    /// visibility timeout: an extension waits at most half an interval for its answer, so
+    /// after one that failed (or was abandoned) the next is sent, and answered, half an
+    /// interval at least before the visibility set before the failure runs out.
     pub visibility_extend_interval: Option<Duration>,
     /// Shortest delay before a message is received again after a retry (default 1 s: SQS counts
     /// visibility in whole seconds, so a hint of zero never spins).
@@ -61,13 +65,17 @@ pub struct RunnerOptions {
     /// Longest wait at shutdown for the messages in process to finish (default 30 s). Then they
     /// are treated as lost: a handler not started yet releases its lease (no attempt counted)
     /// and its message is made visible again at once; a running handler gets
-    /// [`orphan_timeout`](Self::orphan_timeout).
+    /// [`orphan_timeout`](Self::orphan_timeout); a message still waiting for its dead-letter
+    /// send is let try until the orphan timeout too.
     pub drain_timeout: Duration,
     /// Twice how long a handler still running at the drain timeout may go on (default 10 s):
     /// half-way its context's cancellation token is cancelled, which the executor reads as a
-    /// lost lease (it drops the handler unless it returns in that same poll, recording nothing);
-    /// its message is made visible again at once, and its lease is left to expire (never
-    /// released once it started): a redelivery waits for the lease to end.
+    /// lost lease (it drops the handler unless it returns in that same poll, recording nothing,
+    /// and answers `LeaseLost`); its message is then made visible again after the retry delay
+    /// (the executor's `retry_delay` clamped to [`min_retry_delay`](Self::min_retry_delay) and
+    /// [`max_retry_delay`](Self::max_retry_delay): 1 s at least), and its lease is left to
+    /// expire (never released once it started): a redelivery waits for the lease to end. What
+    /// is still there at the orphan timeout is aborted, its message left to its visibility.
     pub orphan_timeout: Duration,
     /// Longest wait for the release of a lease whose handler had not started at the drain
     /// timeout (default 5 s, below [`orphan_timeout`](Self::orphan_timeout)).
@@ -79,7 +87,8 @@ pub struct RunnerOptions {
     pub max_delete_calls: usize,
     /// Longest wait for SQS's answer to one call (default 30 s; above zero): a visibility
     /// change, a delete, a dead-letter send; a receive may take [`wait_time`](Self::wait_time)
-    /// on top, and a visibility extension waits no longer than the extension interval. The AWS SDK bounds no call unless the client's config sets a timeout, and a
+    /// on top, and a visibility extension waits no longer than half the extension interval.
+    /// The AWS SDK bounds no call unless the client's config sets a timeout, and a
     /// call that never answers would hold what waits on it (the receive loop, or every later
     /// partial batch of deletes) for good. A call that timed out counts as failed and is tried
     /// again as a failed call is; it may still have taken effect (a message deleted, a dead
@@ -205,6 +214,15 @@ impl RunnerOptions {
             .unwrap_or_else(|| heartbeat.min(self.visibility_timeout / 3))
     }
 
+    /// How long a visibility extension every `interval` waits for its answer: `call_timeout`,
+    /// but at most half the interval. With the interval at most a third of the visibility
+    /// timeout, an extension that failed (or was abandoned) is followed by one sent an interval
+    /// later and answered (or abandoned) by 2.5 intervals after the last accepted one, half an
+    /// interval at least before the visibility that one set runs out.
+    pub(crate) fn extension_timeout(&self, interval: Duration) -> Duration {
+        self.call_timeout.min(interval / 2)
+    }
+
     pub(crate) fn validate(&self, heartbeat: Duration) -> Result<(), RunnerError> {
         let whole = |field: &'static str, d: Duration| {
             if d.subsec_nanos() == 0 {
@@ -225,6 +243,13 @@ impl RunnerOptions {
             ));
         }
         whole("wait_time", self.wait_time)?;
+        if self.wait_time.is_zero() {
+            return Err(RunnerError::config(
+                "wait_time",
+                "is zero: short polling would ask an empty queue again at once, in a loop of \
+                 billed requests; long-poll for 1 s at least",
+            ));
+        }
         if self.wait_time > MAX_WAIT_TIME {
             return Err(RunnerError::config(
                 "wait_time",
@@ -244,12 +269,13 @@ impl RunnerOptions {
             ));
         }
         let interval = self.extend_interval(heartbeat);
-        if interval.is_zero() || interval > self.visibility_timeout / 2 {
+        if interval.is_zero() || interval > self.visibility_timeout / 3 {
             return Err(RunnerError::config(
                 "visibility_extend_interval",
                 format!(
-                    "{interval:?} must be above zero and at most half the visibility timeout \
-                     ({:?}), so that a failed extension is tried again in time",
+                    "{interval:?} must be above zero and at most a third of the visibility \
+                     timeout ({:?}), so that a failed extension is tried again, and answered, \
+                     before the visibility runs out",
                     self.visibility_timeout
                 ),
             ));
@@ -315,6 +341,80 @@ mod tests {
         assert!(o.validate(HEARTBEAT).is_ok());
     }
 
+    /// Short polling is refused: with a `wait_time` of zero an empty queue was asked again at
+    /// once, in a loop (1,025 `ReceiveMessage` calls in 3 s).
+    #[test]
+    fn a_zero_wait_time_is_refused() {
+        let r = RunnerOptions::default()
+            .with_wait_time(Duration::ZERO)
+            .validate(HEARTBEAT);
+        assert!(
+            matches!(&r, Err(RunnerError::Config { field: "wait_time", reason }) if reason.contains("zero")),
+            "{r:?}"
+        );
+        assert!(
+            RunnerOptions::default()
+                .with_wait_time(Duration::from_secs(1))
+                .validate(HEARTBEAT)
+                .is_ok()
+        );
+    }
+
+    /// The README's promise, for every interval and call timeout the validation lets through:
+    /// after an extension SQS accepted (sent at 0: the visibility runs until the visibility
+    /// timeout `V` at least; the receive's answer counts as one), the next one, sent at the
+    /// interval `I`, fails or is abandoned by `I + T` (`T` the extension's timeout), before the
+    /// one after is due at `2 I`, and that one is answered or abandoned by `2 I + T`, half an
+    /// interval at least before `V`. With the interval at half the visibility and `T` up to the
+    /// interval, as before, that retry went out when the visibility ran out.
+    #[test]
+    fn a_failed_extension_is_retried_and_answered_before_the_visibility_runs_out() {
+        let secs = Duration::from_secs;
+        let mut checked = 0;
+        for visibility in [2, 3, 4, 5, 7, 10, 30, 60, 301, 43_200].map(secs) {
+            for heartbeat in [Duration::from_millis(300), secs(1), secs(10), secs(3600)] {
+                for call_timeout in [Duration::from_millis(50), secs(1), secs(30), secs(3600)] {
+                    let explicit = [
+                        None,
+                        Some(visibility / 3),
+                        Some(visibility / 3 + Duration::from_nanos(1)),
+                        Some(visibility / 2),
+                        Some(visibility / 4),
+                    ];
+                    for interval in explicit {
+                        let mut o = RunnerOptions::default()
+                            .with_visibility_timeout(visibility)
+                            .with_call_timeout(call_timeout);
+                        o.visibility_extend_interval = interval;
+                        if o.validate(heartbeat).is_err() {
+                            continue;
+                        }
+                        checked += 1;
+                        let i = o.extend_interval(heartbeat);
+                        let t = o.extension_timeout(i);
+                        assert!(t <= i / 2 && t <= call_timeout, "{o:?}");
+                        assert!(i + t < 2 * i, "the failed one ends before the next is due");
+                        assert!(
+                            2 * i + t + i / 2 <= visibility,
+                            "the retry is answered half an interval before the visibility runs \
+                             out: {o:?}, interval {i:?}, timeout {t:?}"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(checked > 100, "{checked} combinations let through");
+        let half = RunnerOptions::default().with_visibility_extend_interval(secs(15));
+        assert_eq!(
+            field(half.validate(HEARTBEAT)),
+            "visibility_extend_interval",
+            "half of the 30 s visibility, as allowed before"
+        );
+        let third = RunnerOptions::default().with_visibility_extend_interval(secs(10));
+        assert!(third.validate(HEARTBEAT).is_ok());
+        assert_eq!(third.extension_timeout(secs(10)), secs(5));
+    }
+
     #[test]
     fn validation_names_the_field() {
         let d = RunnerOptions::default;
@@ -353,10 +453,14 @@ mod tests {
         );
         assert_eq!(
             field(
-                d().with_visibility_extend_interval(Duration::from_secs(16))
+                d().with_visibility_extend_interval(Duration::from_secs(11))
                     .validate(HEARTBEAT)
             ),
             "visibility_extend_interval"
+        );
+        assert_eq!(
+            field(d().with_wait_time(Duration::ZERO).validate(HEARTBEAT)),
+            "wait_time"
         );
         assert_eq!(
             field(

@@ -19,7 +19,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::call::{self, CallError};
+use crate::call;
 use crate::dead_letter::DeadLetterQueue;
 use crate::deleter::Deleter;
 use crate::error::RunnerError;
@@ -132,20 +132,25 @@ where
             .extend_interval(self.execution.executor().heartbeat_interval())
     }
 
-    /// Receives and processes messages until `shutdown` completes (or the queue is deleted),
-    /// then drains: no message is received any more (what a receive in flight still returns is
-    /// made visible again at once, unprocessed), the messages in process finish (up to
-    /// [`drain_timeout`](RunnerOptions::drain_timeout), after which they are dropped and made
-    /// visible again, their started handlers' leases left to expire), and the pending deletes
-    /// are sent.
+    /// Receives and processes messages until `shutdown` completes (or a queue can no longer be
+    /// used: see Errors), then drains: no message is received any more (what a receive in
+    /// flight still returns is made visible again at once, unprocessed), the messages in
+    /// process finish (up to
+    /// [`drain_timeout`](RunnerOptions::drain_timeout), after which they are given up and made
+    /// visible again, at once or, for a handler signalled at half the
+    /// [`orphan_timeout`](RunnerOptions::orphan_timeout), after the retry delay, their started
+    /// handlers' leases left to expire), and the pending deletes are sent. See the crate docs'
+    /// "Shutdown" for how long that takes at worst.
     ///
     /// First reads the attributes of the queue and of the dead-letter queue (whether each is
     /// FIFO). Must be called within a Tokio runtime: the message tasks are spawned on it.
     ///
     /// # Errors
     /// [`RunnerError::Sqs`] when a queue's attributes cannot be read at start (the queue does not
-    /// exist, or the credentials may not read it), or when the queue disappears while it runs
-    /// (after the drain).
+    /// exist, or the credentials may not read it), or, after the drain, when SQS refuses for a
+    /// reason that trying again cannot heal (the queue deleted, access or its KMS key denied) a
+    /// receive from the queue, or a dead-letter send (the error's context names the
+    /// dead-letter queue; the message is not deleted, but made visible again).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RunnerError> {
         let fifo = is_fifo(&self.client, &self.queue_url).await?;
         let dead_letter = DeadLetterQueue {
@@ -171,6 +176,7 @@ where
             deleter,
             drain: CancellationToken::new(),
             lost: CancellationToken::new(),
+            fatal: worker::Fatal::default(),
         });
         tracing::info!(queue_url = %self.queue_url, fifo, dead_letter_queue_url = %common.dead_letter.url, "sqs runner started");
         let mut receiver = Receiver {
@@ -180,14 +186,24 @@ where
             tasks: JoinSet::new(),
             groups: HashMap::new(),
         };
-        let result = receiver.receive_until(shutdown).await;
+        // A message task's fatal error (the dead-letter queue refusing for good) stops the
+        // receive loop as the shutdown does.
+        let fatal = Arc::clone(&common);
+        let stop = async move {
+            tokio::select! {
+                () = shutdown => {}
+                () = fatal.fatal.raised() => {}
+            }
+        };
+        let result = receiver.receive_until(stop).await;
         receiver.drain().await;
         drop(receiver);
+        let raised = common.fatal.take();
         // The last handle to the deleter goes with `common`: its loop sends what is left, then ends.
         drop(common);
         let _ = deleter_task.await;
         tracing::info!(queue_url = %self.queue_url, "sqs runner stopped");
-        result
+        result.and(raised.map_or(Ok(()), Err))
     }
 }
 
@@ -351,7 +367,13 @@ where
                         .messages
                         .unwrap_or_default()
                         .into_iter()
-                        .map(|msg| SqsMessage::new(msg, Arc::clone(&common.queue_url)))
+                        .map(|msg| {
+                            SqsMessage::received(
+                                msg,
+                                Arc::clone(&common.queue_url),
+                                options.visibility_timeout,
+                            )
+                        })
                         .collect();
                     RunnerStats::count(&common.stats.received, m::RECEIVED, messages.len() as u64);
                     if stopping {
@@ -360,13 +382,17 @@ where
                     }
                     self.dispatch::<T>(messages, held);
                 }
-                Err(CallError::Sqs(gone))
-                    if matches!(*gone, aws_sdk_sqs::Error::QueueDoesNotExist(_)) =>
-                {
-                    tracing::error!(error = %gone, "the queue is gone: draining and stopping");
-                    return Err(RunnerError::sqs("receiving messages", *gone));
-                }
                 Err(e) => {
+                    let e = match e.into_fatal() {
+                        Ok(source) => {
+                            tracing::error!(error = %source, "the queue refuses receives for good (deleted, or access denied): draining and stopping");
+                            return Err(RunnerError::Sqs {
+                                context: format!("receiving messages from {}", common.queue_url),
+                                source,
+                            });
+                        }
+                        Err(e) => e,
+                    };
                     RunnerStats::count(&common.stats.receive_errors, m::RECEIVE_ERRORS, 1);
                     tracing::warn!(error = %e, retry_in = ?backoff, "ReceiveMessage failed");
                     if stopping {
@@ -535,14 +561,18 @@ where
         }
     }
 
-    /// Keeps the waiting messages invisible, every `extend_every`, while they wait for the
-    /// messages of their group before them (the earlier tasks' and this task's).
+    /// Keeps the waiting messages invisible, every `extend_every` from their receive, while
+    /// they wait for the messages of their group before them (the earlier tasks' and this
+    /// task's).
     async fn keep_waiting_visible(&self, group: &Waiting<'_>) -> Infallible {
         let visibility = seconds_up(self.options.visibility_timeout);
-        let mut at = tokio::time::Instant::now() + self.extend_every;
+        let Some(first) = group.msgs.first() else {
+            return std::future::pending().await;
+        };
+        let mut at = worker::first_extension(first.received_at(), self.extend_every, false);
         loop {
             tokio::time::sleep_until(at).await;
-            at += self.extend_every;
+            at = tokio::time::Instant::now() + self.extend_every;
             let _extending = group.extending.lock().await;
             let waiting = &group.msgs[group.next.load(Ordering::SeqCst).min(group.msgs.len())..];
             if !waiting.is_empty() {

@@ -22,7 +22,7 @@ pub mod metric_names {
     pub const VISIBILITY_EXTENSIONS: &str = "idem_sqs_visibility_extensions";
     /// Visibility changes (extensions, retries, releases) that failed.
     pub const VISIBILITY_FAILURES: &str = "idem_sqs_visibility_failures";
-    /// Dead-letter sends that failed (tried again).
+    /// Dead-letter sends that failed (tried again, unless the refusal stops the runner).
     pub const DEAD_LETTER_FAILURES: &str = "idem_sqs_dead_letter_failures";
     /// Leases released because the drain timed out before the message's handler started.
     pub const RELEASED: &str = "idem_sqs_leases_released";
@@ -144,7 +144,8 @@ impl RunnerStats {
         Self::get(&self.visibility_failures)
     }
 
-    /// Dead-letter sends that failed (and were tried again).
+    /// Dead-letter sends that failed (and were tried again, unless the refusal, one that trying
+    /// again cannot heal, stopped the runner).
     pub fn dead_letter_failures(&self) -> u64 {
         Self::get(&self.dead_letter_failures)
     }

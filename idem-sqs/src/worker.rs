@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use crate::call::{self, CallError};
 use crate::dead_letter::{self, DeadLetterQueue};
 use crate::deleter::Deleter;
+use crate::error::RunnerError;
 use crate::message::SqsMessage;
 use crate::options::{MAX_BATCH, RunnerOptions, seconds_up};
 use crate::stats::{RunnerStats, metric_names as m};
@@ -37,6 +38,40 @@ pub(crate) struct Common<H, C, R> {
     /// Cancelled at the drain timeout: the messages in process are lost
     /// ([`Execution::try_once`]).
     pub(crate) lost: CancellationToken,
+    /// Raised by a message task that met an error the runner cannot go on with: the receive
+    /// loop stops, the runner drains, and [`SqsRunner::run`](crate::SqsRunner::run) returns it.
+    pub(crate) fatal: Fatal,
+}
+
+/// An error that stops the runner, raised from a message task ([`Common::fatal`]).
+#[derive(Debug, Default)]
+pub(crate) struct Fatal {
+    /// Cancelled once an error is raised.
+    raised: CancellationToken,
+    /// The first error raised.
+    error: std::sync::Mutex<Option<RunnerError>>,
+}
+
+impl Fatal {
+    /// Raises `error`, unless one was raised before (the first one is kept).
+    pub(crate) fn raise(&self, error: RunnerError) {
+        let mut first = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if first.is_none() {
+            tracing::error!(error = %error, "the runner cannot go on: draining and stopping");
+            *first = Some(error);
+        }
+        self.raised.cancel();
+    }
+
+    /// Completes once an error is raised.
+    pub(crate) async fn raised(&self) {
+        self.raised.cancelled().await;
+    }
+
+    /// The first error raised, taken.
+    pub(crate) fn take(&self) -> Option<RunnerError> {
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
 }
 
 /// Whether the visibility of a message is still extended: `false` once its final change is made
@@ -45,6 +80,19 @@ pub(crate) struct Common<H, C, R> {
 /// reaches it last, and an extension after a retry's would undo the retry delay. (An extension
 /// that timed out may still reach SQS later; nothing on the client can rule that out.)
 type Extending = tokio::sync::Mutex<bool>;
+
+/// How a dead-letter send ended ([`Common::dead_letter_until_sent`]).
+#[derive(Debug)]
+enum DeadLettered {
+    /// The dead-letter queue took it: the message may be deleted.
+    Sent,
+    /// The message is no longer this receive's ([`Common::is_gone`]): neither sent nor to be
+    /// deleted here; the receive that has it now resolves it.
+    Gone,
+    /// The dead-letter queue refused it for a reason that trying again cannot heal
+    /// ([`CallError::into_fatal`]): not sent, the message not to be deleted.
+    Refused(Box<aws_sdk_sqs::Error>),
+}
 
 /// How a message ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,56 +123,89 @@ where
         T: Serialize + DeserializeOwned + Send + 'static,
     {
         let extending = Extending::new(true);
+        let gone = CancellationToken::new();
         tokio::select! {
             biased;
-            done = self.resolve::<T>(msg, &extending) => done,
-            never = self.keep_visible(msg, waited, &extending) => match never {},
+            done = self.resolve::<T>(msg, &extending, &gone) => done,
+            never = self.keep_visible(msg, waited, &extending, &gone) => match never {},
         }
     }
 
     /// Extends the visibility of `msg` every `extend_every`, for as long as it is polled (the
     /// whole processing of the message: the acquire, the handler under its lease, the
-    /// completion, the dead-letter send, the delete). A failed extension is logged and counted;
-    /// the next one comes at the next interval, before the visibility runs out (the interval is
-    /// at most half the visibility timeout). None once the final change is made (`extending`).
+    /// completion, the dead-letter send, the delete), the first one an interval after the
+    /// receive answered (SQS started the visibility clock then), or at once when `at_once`. An
+    /// extension waits at most half an interval for its answer; a failed one is logged and
+    /// counted, and the next one is sent an interval after it, and answered (or abandoned) half
+    /// an interval at least before the visibility set before the failure runs out (the interval
+    /// is at most a third of the visibility timeout). None once the final change is made
+    /// (`extending`).
+    ///
+    /// Cancels `gone` and extends no more once the message is no longer this receive's: SQS
+    /// answered that its receipt handle is invalid, or the message is not in flight or does not
+    /// exist ([`CallError::handle_gone`]), or no extension was accepted for a whole visibility
+    /// timeout, so that the visibility may have run out (SQS refuses extensions past 12 hours
+    /// from the receipt).
     async fn keep_visible(
         &self,
         msg: &SqsMessage,
         at_once: bool,
         extending: &Extending,
+        gone: &CancellationToken,
     ) -> Infallible {
-        let visibility = seconds_up(self.options.visibility_timeout);
-        let mut next = Instant::now()
-            + if at_once {
-                Duration::ZERO
-            } else {
-                self.extend_every
-            };
+        let visibility = self.options.visibility_timeout;
+        let seconds = seconds_up(visibility);
+        let mut next = first_extension(msg.received_at(), self.extend_every, at_once);
         loop {
             tokio::time::sleep_until(next).await;
-            next += self.extend_every;
             let extending = extending.lock().await;
             if !*extending {
                 // Its final change is made: nothing more to do until `resolve` returns.
                 drop(extending);
                 return std::future::pending().await;
             }
+            if msg.may_have_lapsed() {
+                drop(extending);
+                gone.cancel();
+                tracing::warn!(
+                    visibility_timeout = ?visibility,
+                    "no visibility extension accepted for a whole visibility timeout: the message may be another receive's now; extending it no more"
+                );
+                return std::future::pending().await;
+            }
+            let sent_at = Instant::now();
+            next = sent_at + self.extend_every;
             let sent = self
-                .change_visibility(msg, visibility, self.extension_timeout())
+                .change_visibility(msg, seconds, self.extension_timeout())
                 .await;
             drop(extending);
             match sent {
-                Ok(_) => RunnerStats::count(
-                    &self.stats.visibility_extensions,
-                    m::VISIBILITY_EXTENSIONS,
-                    1,
-                ),
+                Ok(()) => {
+                    msg.held(sent_at, visibility);
+                    RunnerStats::count(
+                        &self.stats.visibility_extensions,
+                        m::VISIBILITY_EXTENSIONS,
+                        1,
+                    );
+                }
+                Err(e) if e.handle_gone() => {
+                    RunnerStats::count(&self.stats.visibility_failures, m::VISIBILITY_FAILURES, 1);
+                    gone.cancel();
+                    tracing::warn!(error = %e, "the message is no longer this receive's (its receipt handle is refused): extending it no more");
+                    return std::future::pending().await;
+                }
                 Err(e) => {
                     RunnerStats::count(&self.stats.visibility_failures, m::VISIBILITY_FAILURES, 1);
                     tracing::warn!(error = %e, "visibility extension failed; trying again at the next interval");
                 }
             }
         }
+    }
+
+    /// Whether `msg` is no longer this receive's: an extension found it so (`gone`), or its
+    /// visibility may have run out.
+    fn is_gone(msg: &SqsMessage, gone: &CancellationToken) -> bool {
+        gone.is_cancelled() || msg.may_have_lapsed()
     }
 
     /// One `ChangeMessageVisibility` of `msg` to `seconds`, waiting at most `timeout`.
@@ -145,7 +226,12 @@ where
     }
 
     /// The executor call and what follows from its broker action.
-    async fn resolve<T>(&self, msg: &SqsMessage, extending: &Extending) -> Done
+    async fn resolve<T>(
+        &self,
+        msg: &SqsMessage,
+        extending: &Extending,
+        gone: &CancellationToken,
+    ) -> Done
     where
         H: Handler<SqsMessage, R::Returns<T>>,
         R::Returns<T>: Send,
@@ -185,9 +271,34 @@ where
             BrokerAction::DeadLetter { reason, error } => {
                 let info = broker::classify(&result, reason, error, attempt);
                 drop(result);
-                self.dead_letter_until_sent(msg, &info).await;
-                self.delete(msg).await;
-                Done::Resolved
+                match self.dead_letter_until_sent(msg, &info, gone).await {
+                    DeadLettered::Sent => {
+                        self.delete(msg).await;
+                        Done::Resolved
+                    }
+                    DeadLettered::Gone => {
+                        tracing::warn!(
+                            "the message is no longer this receive's: not dead-lettered nor deleted here (the receive that has it now gets the same outcome from the store)"
+                        );
+                        // On a FIFO queue the rest of its group goes back with it.
+                        Done::Retried { visibility: 0 }
+                    }
+                    DeadLettered::Refused(source) => {
+                        self.fatal.raise(RunnerError::Sqs {
+                            context: format!(
+                                "sending a dead letter to the dead-letter queue {}",
+                                self.dead_letter.url
+                            ),
+                            source,
+                        });
+                        // Not dead-lettered: kept, and visible again at once (this runner
+                        // receives no more).
+                        let mut extending = extending.lock().await;
+                        *extending = false;
+                        self.release(std::slice::from_ref(msg), 0).await;
+                        Done::Retried { visibility: 0 }
+                    }
+                }
             }
             BrokerAction::Retry { after } => {
                 tracing::debug!(outcome = outcome_name(&result), hint = ?after, "not resolved: received again later");
@@ -226,9 +337,17 @@ where
 
     /// Sends `msg` to the dead-letter queue, trying again every `dead_letter_retry_delay` until
     /// it is accepted (the executor is not called again: for an un-deduplicated message that
-    /// would run the handler again). A shutdown that times out drops it unsent: the message is
-    /// then received again, and the store gives the same outcome.
-    async fn dead_letter_until_sent(&self, msg: &SqsMessage, info: &DeadLetterInfo) {
+    /// would run the handler again), the dead-letter queue refuses it for a reason that trying
+    /// again cannot heal ([`CallError::into_fatal`]: the queue deleted, access or its KMS key
+    /// denied), or the message is no longer this receive's ([`is_gone`](Self::is_gone)). A
+    /// shutdown that times out drops it unsent: the message is then received again, and the
+    /// store gives the same outcome.
+    async fn dead_letter_until_sent(
+        &self,
+        msg: &SqsMessage,
+        info: &DeadLetterInfo,
+        gone: &CancellationToken,
+    ) -> DeadLettered {
         let key_id = self.execution.key_id(msg);
         let attempts = self
             .execution
@@ -239,6 +358,9 @@ where
             |fit| dead_letter::attributes(msg, info, attempts, key_id.as_deref(), fit);
         let mut attributes = attributes_for(fit);
         loop {
+            if Self::is_gone(msg, gone) {
+                return DeadLettered::Gone;
+            }
             match self
                 .dead_letter
                 .send(&self.client, &self.options, msg, attributes.clone())
@@ -256,7 +378,7 @@ where
                         dead_letter_queue = %self.dead_letter.url,
                         "message dead-lettered"
                     );
-                    return;
+                    return DeadLettered::Sent;
                 }
                 Err(e) if dead_letter::refused_as_invalid(&e) && fit.smaller().is_some() => {
                     fit = fit.smaller().unwrap_or(fit);
@@ -273,8 +395,18 @@ where
                         m::DEAD_LETTER_FAILURES,
                         1,
                     );
+                    let e = match e.into_fatal() {
+                        Ok(source) => {
+                            tracing::error!(error = %source, dead_letter_queue = %self.dead_letter.url, "the dead-letter queue refuses the message for good: not dead-lettered, kept in the queue");
+                            return DeadLettered::Refused(source);
+                        }
+                        Err(e) => e,
+                    };
                     tracing::error!(error = %e, "dead-letter send failed; trying again");
-                    tokio::time::sleep(self.options.dead_letter_retry_delay).await;
+                    tokio::select! {
+                        () = tokio::time::sleep(self.options.dead_letter_retry_delay) => {}
+                        () = gone.cancelled() => {}
+                    }
                 }
             }
         }
@@ -292,10 +424,10 @@ pub(crate) enum Change {
 }
 
 impl<H, C, R> Common<H, C, R> {
-    /// How long an extension waits for its answer: `call_timeout`, but no longer than the
-    /// interval, so that the next one comes before the visibility runs out.
+    /// How long an extension waits for its answer: `call_timeout`, but no longer than half the
+    /// interval ([`RunnerOptions::extension_timeout`]).
     fn extension_timeout(&self) -> Duration {
-        self.options.call_timeout.min(self.extend_every)
+        self.options.extension_timeout(self.extend_every)
     }
 
     /// Makes `messages` visible again after `visibility` seconds, unprocessed (the rest of a FIFO
@@ -345,10 +477,21 @@ impl<H, C, R> Common<H, C, R> {
                 Change::Release => self.options.call_timeout,
                 Change::Extend => self.extension_timeout(),
             };
+            let sent_at = Instant::now();
             let sent = call::bounded(timeout, request).await;
             match sent {
                 Ok(out) => {
                     let done = out.successful().len() as u64;
+                    if change == Change::Extend {
+                        let set = Duration::from_secs(u64::try_from(visibility).unwrap_or(0));
+                        for ok in out.successful() {
+                            if let Some(msg) =
+                                ok.id().parse::<usize>().ok().and_then(|i| chunk.get(i))
+                            {
+                                msg.held(sent_at, set);
+                            }
+                        }
+                    }
                     match change {
                         Change::Release => RunnerStats::add(&stats.released, done),
                         Change::Extend => RunnerStats::count(
@@ -375,6 +518,42 @@ impl<H, C, R> Common<H, C, R> {
                     tracing::warn!(error = %e, "{failed_to}");
                 }
             }
+        }
+    }
+}
+
+/// When the first extension of a message received at `received_at` is due: one interval after
+/// the receive answered (SQS started the visibility clock then, not when the message's task
+/// started), or at once for a message that waited in memory (`at_once`: its last extension, a
+/// waiting one, may be up to an interval old). Already past when the task starts late: then at
+/// once too.
+pub(crate) fn first_extension(received_at: Instant, interval: Duration, at_once: bool) -> Instant {
+    if at_once {
+        Instant::now()
+    } else {
+        received_at + interval
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The visibility clock starts at the receive, not when the message's task starts: a task
+    /// that starts late extends at the receive's interval (at once when that has passed).
+    #[test]
+    fn the_first_extension_is_due_an_interval_after_the_receive() {
+        let interval = Duration::from_secs(10);
+        let received_at = Instant::now();
+        assert_eq!(
+            first_extension(received_at, interval, false),
+            received_at + interval
+        );
+        let before = Instant::now();
+        let waited = first_extension(received_at, interval, true);
+        assert!(waited >= before && waited <= Instant::now(), "at once");
+        if let Some(long_ago) = Instant::now().checked_sub(2 * interval) {
+            assert!(first_extension(long_ago, interval, false) <= Instant::now());
         }
     }
 }

@@ -2,8 +2,9 @@
 //! `scripts/services.sh localstack`), with `MemoryStore` as the store: acknowledgements and
 //! replays, every dead-letter reason with its attributes, retries made visible after the
 //! outcome's delay, a slow handler's message kept invisible, FIFO group order, the drain, the
-//! transactional executor. Without LocalStack each test returns after one "skipped" line; with
-//! `CI=true` it fails.
+//! transactional executor, a dead-letter queue that refuses for good stopping the runner, and a
+//! dead-letter retry ending once its message is no longer this receive's. Without LocalStack
+//! each test returns after one "skipped" line; with `CI=true` it fails.
 
 mod common;
 
@@ -280,6 +281,185 @@ async fn a_dead_letter_refused_as_too_large_goes_without_the_original_attributes
         "the error cut short: {} bytes",
         error.len()
     );
+    assert_eq!(counts(&sqs, &queue).await, (0, 0));
+}
+
+/// A dead-letter queue deleted while the runner runs refuses every send for good: the runner
+/// stops as it does when the source queue is deleted, `run` returning `RunnerError::Sqs` naming
+/// the dead-letter queue; the poison message is not deleted (it was not dead-lettered) but made
+/// visible again, and the good message in process when it happened is handled in the drain.
+/// Before, every poison message looped on the send, holding its slot: once `max_in_flight` of
+/// them were in, nothing more was received, and `run` went on (then returned `Ok(())`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_queue_that_refuses_for_good_stops_the_runner_and_keeps_the_messages() {
+    if !localstack() {
+        return;
+    }
+    init_tracing();
+    let sqs = client();
+    let queue = queue(&sqs, "idem-dlq-gone", false).await;
+    let dlq = common::queue(&sqs, "idem-dlq-gone-dlq", false).await;
+    let slow_started = CancellationToken::new();
+    let started = slow_started.clone();
+    let handler = move |_msg: SqsMessage, ctx: HandlerContext| {
+        let started = started.clone();
+        async move {
+            let key = key_of(&ctx);
+            if key.starts_with("poison") {
+                return Err(HandlerError::terminal("amount is negative"));
+            }
+            if key == "slow" {
+                started.cancel();
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            Ok(key)
+        }
+    };
+    let executor = Executor::new(Arc::new(MemoryStore::new()), config("dlq-gone")).unwrap();
+    let (task, stats, _stop) = start(
+        executor,
+        &queue,
+        &dlq,
+        options().with_max_in_flight(2),
+        handler,
+    );
+    send(
+        &sqs,
+        &queue,
+        &[Out::keyed("good-1", "{}"), Out::keyed("good-2", "{}")],
+    )
+    .await;
+    let good = wait_for(Duration::from_secs(20), || async {
+        stats.executed() == 2 && stats.deleted() == 2
+    })
+    .await;
+    assert!(good, "{stats:?}");
+    send(&sqs, &queue, &[Out::keyed("slow", "{}")]).await;
+    tokio::time::timeout(Duration::from_secs(20), slow_started.cancelled())
+        .await
+        .expect("the slow handler started");
+
+    sqs.delete_queue().queue_url(&dlq).send().await.unwrap();
+    send(
+        &sqs,
+        &queue,
+        &[Out::keyed("poison-1", "{}"), Out::keyed("poison-2", "{}")],
+    )
+    .await;
+    let ended = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("run returns on its own once the dead-letter queue refuses for good")
+        .expect("no panic");
+    match &ended {
+        Err(RunnerError::Sqs { context, .. }) => {
+            assert!(
+                context.contains(&dlq),
+                "names the dead-letter queue: {context}"
+            )
+        }
+        other => panic!("expected RunnerError::Sqs, got {other:?}"),
+    }
+    assert_eq!(
+        (stats.executed(), stats.deleted(), stats.dead_lettered()),
+        (3, 3, 0),
+        "the good messages handled and deleted, the slow one in the drain: {stats:?}"
+    );
+    assert!(
+        stats.dead_letter_failures() <= 2,
+        "no send tried again: {stats:?}"
+    );
+    let left: Vec<String> = read_out(&sqs, &queue, Duration::from_secs(1))
+        .await
+        .into_iter()
+        .map(|m| m.attributes["idempotency-key"].clone())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(
+        left,
+        ["poison-1", "poison-2"],
+        "the poison messages are kept, visible again"
+    );
+}
+
+/// A dead-letter send tried again (a dead-letter queue whose size limit the body is over) stops
+/// once the message is no longer this receive's: an extension answered that it does not exist
+/// (here, deleted with its receipt handle from outside). Its slot is free again and the message
+/// is neither sent nor deleted here. Before, the loop went on with a dead receipt handle, holding
+/// its slot for good (after 12 hours SQS gives the message out again, and its copy took another).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_retry_ends_once_the_message_is_no_longer_this_receives() {
+    if !localstack() {
+        return;
+    }
+    init_tracing();
+    let sqs = client();
+    let queue = queue(&sqs, "idem-dlq-handle", false).await;
+    let dlq = common::queue(&sqs, "idem-dlq-handle-dlq", false).await;
+    sqs.set_queue_attributes()
+        .queue_url(&dlq)
+        .attributes(
+            idem_sqs::aws_sdk_sqs::types::QueueAttributeName::MaximumMessageSize,
+            "1024",
+        )
+        .send()
+        .await
+        .unwrap();
+    let receipt: Arc<Mutex<Option<String>>> = Arc::default();
+    let seen = Arc::clone(&receipt);
+    let handler = move |msg: SqsMessage, ctx: HandlerContext| {
+        let seen = Arc::clone(&seen);
+        async move {
+            if key_of(&ctx) == "poison" {
+                *seen.lock().unwrap() = Some(msg.receipt_handle().to_owned());
+                return Err(HandlerError::terminal("malformed amount"));
+            }
+            Ok(key_of(&ctx))
+        }
+    };
+    let executor = Executor::new(Arc::new(MemoryStore::new()), config("dlq-handle")).unwrap();
+    let options = options()
+        .with_max_in_flight(1)
+        .with_visibility_timeout(Duration::from_secs(6))
+        .with_visibility_extend_interval(Duration::from_secs(1));
+    let running = start(executor, &queue, &dlq, options, handler);
+    let stats = Arc::clone(&running.1);
+    send(&sqs, &queue, &[Out::keyed("poison", "p".repeat(2_000))]).await;
+    let looping = wait_for(Duration::from_secs(20), || async {
+        stats.dead_letter_failures() >= 2
+    })
+    .await;
+    assert!(looping, "the send is refused every time: {stats:?}");
+    let handle = receipt
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("the poison's handle");
+    sqs.delete_message()
+        .queue_url(&queue)
+        .receipt_handle(handle)
+        .send()
+        .await
+        .unwrap();
+
+    send(&sqs, &queue, &[Out::keyed("good", "{}")]).await;
+    let freed = wait_for(Duration::from_secs(20), || async {
+        stats.executed() == 1 && stats.deleted() == 1
+    })
+    .await;
+    assert!(
+        freed,
+        "the slot of the poison message was not given back: {stats:?}"
+    );
+    let failures = stats.dead_letter_failures();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        stats.dead_letter_failures(),
+        failures,
+        "no send tried since: {stats:?}"
+    );
+    assert_eq!(stats.dead_lettered(), 0);
+    stop(running).await;
     assert_eq!(counts(&sqs, &queue).await, (0, 0));
 }
 
@@ -706,11 +886,11 @@ fn the_builder_wants_a_separate_dead_letter_queue() {
         ),
         "{r:?}"
     );
-    let r = SqsRunner::builder(client(), "http://q", executor, handler)
+    let r = SqsRunner::builder(client(), "http://q", executor.clone(), handler)
         .dead_letter_queue("http://dlq")
         .configure(|o| {
             o.with_visibility_timeout(Duration::from_secs(4))
-                .with_visibility_extend_interval(Duration::from_secs(3))
+                .with_visibility_extend_interval(Duration::from_secs(2))
         })
         .build();
     assert!(
@@ -721,6 +901,20 @@ fn the_builder_wants_a_separate_dead_letter_queue() {
                 ..
             })
         ),
-        "an extension every 3 s, more than half of a 4 s visibility: {r:?}"
+        "an extension every 2 s, more than a third of a 4 s visibility (half was allowed): {r:?}"
+    );
+    let r = SqsRunner::builder(client(), "http://q", executor, handler)
+        .dead_letter_queue("http://dlq")
+        .configure(|o| o.with_wait_time(Duration::ZERO))
+        .build();
+    assert!(
+        matches!(
+            r,
+            Err(RunnerError::Config {
+                field: "wait_time",
+                ..
+            })
+        ),
+        "short polling, an empty queue asked again at once in a loop: {r:?}"
     );
 }
