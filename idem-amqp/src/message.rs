@@ -64,6 +64,21 @@ impl AmqpMessage {
         }
     }
 
+    /// The message as consumed from `queue`, published to `exchange` with `routing_key` (for the
+    /// crate's tests).
+    #[cfg(test)]
+    pub(crate) fn with_source(self, queue: &str, exchange: &str, routing_key: &str) -> Self {
+        let inner = Arc::try_unwrap(self.inner).expect("not shared");
+        Self {
+            inner: Arc::new(Inner {
+                exchange: exchange.to_owned(),
+                routing_key: routing_key.to_owned(),
+                queue: Arc::from(queue),
+                ..inner
+            }),
+        }
+    }
+
     /// The message body.
     pub fn body(&self) -> &[u8] {
         &self.inner.body

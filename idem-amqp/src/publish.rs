@@ -287,18 +287,58 @@ fn timed_out_error(timeout: Duration) -> lapin::Error {
 /// The headers by which RabbitMQ routes a message to more queues (sender-selected distribution).
 const ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
 
-/// The properties of a copy of `msg` published again (to the retry queue or the dead-letter
-/// exchange): the original ones, with `headers` in place of the original headers (when given)
-/// and `expiration` in place of the original expiration. The `user_id` is dropped: the broker
-/// refuses a `user_id` other than the publishing connection's user. The `CC` and `BCC` headers
-/// are dropped too: the broker would route every copy to the queues they name again (a `CC`
-/// naming the work queue sent each retry straight back, undelayed, beside the delayed copy).
-pub(crate) fn republished(
-    msg: &AmqpMessage,
-    headers: Option<FieldTable>,
-    expiration: Option<ShortString>,
-    persistent: bool,
-) -> BasicProperties {
+/// The headers RabbitMQ writes when it dead-letters a message: its dead-letter history.
+const DEATH_HEADERS: [&str; 7] = [
+    "x-death",
+    "x-first-death-queue",
+    "x-first-death-reason",
+    "x-first-death-exchange",
+    "x-last-death-queue",
+    "x-last-death-reason",
+    "x-last-death-exchange",
+];
+
+/// The header a quorum queue writes on a redelivery: how often *that* queue delivered the
+/// message.
+const DELIVERY_COUNT: &str = "x-delivery-count";
+
+/// What a copy of a consumed message the runner publishes is for.
+#[derive(Debug)]
+pub(crate) enum Republish {
+    /// A delayed retry, to the retry queue: it expires after `expiration` (milliseconds), and
+    /// the broker then dead-letters it back to the work queue.
+    Retry {
+        /// The delay, as a message expiration.
+        expiration: ShortString,
+    },
+    /// A dead letter, to the dead-letter exchange, persistent, with `headers` (the runner's,
+    /// beside the original ones or not: [`dead_letter::headers`](crate::dead_letter::headers)).
+    DeadLetter {
+        /// Its headers.
+        headers: FieldTable,
+    },
+}
+
+/// The properties of a copy of `msg` published again: the original ones, with the headers
+/// `copy` says and its expiration (a retry's delay; a dead letter has none, and is persistent).
+///
+/// Left out of every copy:
+/// - the `user_id`: the broker refuses a `user_id` other than the publishing connection's user;
+/// - the headers `CC` and `BCC`: the broker would route every copy to the queues they name
+///   again (a `CC` naming the work queue sent each retry straight back, undelayed, beside the
+///   delayed copy);
+/// - `x-delivery-count`: a quorum queue's count of its own deliveries, stale on a copy (a
+///   classic queue would hand it on as it is, to be taken for its own).
+///
+/// Left out of a retry also: RabbitMQ's dead-letter history (`x-death`,
+/// `x-{first,last}-death-{queue,reason,exchange}`). A retry comes back to the work queue by the
+/// broker's dead-lettering from the retry queue, and the broker drops a message dead-lettered
+/// into a queue its history names without a rejection in between ("dead-letter queues cycle
+/// detected"): a message the work queue itself had dead-lettered once (a delivery limit, a TTL,
+/// a length limit) and that an operator moved back, retried with its history, was lost, its
+/// original acknowledged already. A dead letter keeps the history: it goes to the dead-letter
+/// exchange, and the runner never publishes it back towards the work queue.
+pub(crate) fn republished(msg: &AmqpMessage, copy: Republish) -> BasicProperties {
     let p = msg.properties();
     let mut out = BasicProperties::default();
     if let Some(v) = p.content_type() {
@@ -307,8 +347,22 @@ pub(crate) fn republished(
     if let Some(v) = p.content_encoding() {
         out = out.with_content_encoding(v.clone());
     }
-    if let Some(v) = headers.or_else(|| p.headers().clone()) {
-        out = out.with_headers(without_routing_headers(v));
+    let (headers, expiration, persistent) = match copy {
+        Republish::Retry { expiration } => (
+            p.headers()
+                .clone()
+                .map(|h| without(h, &[&ROUTING_HEADERS, &DEATH_HEADERS, &[DELIVERY_COUNT]])),
+            Some(expiration),
+            false,
+        ),
+        Republish::DeadLetter { headers } => (
+            Some(without(headers, &[&ROUTING_HEADERS, &[DELIVERY_COUNT]])),
+            None,
+            true,
+        ),
+    };
+    if let Some(v) = headers {
+        out = out.with_headers(v);
     }
     if persistent {
         out = out.with_delivery_mode(2);
@@ -345,21 +399,37 @@ pub(crate) fn republished(
     out
 }
 
-/// `headers` without [`ROUTING_HEADERS`].
-fn without_routing_headers(headers: FieldTable) -> FieldTable {
-    if !ROUTING_HEADERS.iter().any(|h| headers.contains_key(h)) {
+/// `headers` without the headers named in `left_out`.
+fn without(headers: FieldTable, left_out: &[&[&str]]) -> FieldTable {
+    let dropped = |name: &str| left_out.iter().any(|names| names.contains(&name));
+    if !headers.inner().keys().any(|name| dropped(name.as_str())) {
         return headers;
     }
     let mut kept = headers.inner().clone();
-    kept.retain(|name, _| !ROUTING_HEADERS.contains(&name.as_str()));
+    kept.retain(|name, _| !dropped(name.as_str()));
     FieldTable::from(kept)
 }
 
 #[cfg(test)]
 mod tests {
-    use lapin::types::AMQPValue;
+    use idem_executor::DeadLetterReason;
+    use idem_executor::broker::{DeadLetterInfo, Fit};
+    use lapin::types::{AMQPValue, FieldArray, LongString};
 
     use super::*;
+
+    fn retry(msg: &AmqpMessage) -> BasicProperties {
+        republished(
+            msg,
+            Republish::Retry {
+                expiration: "250".into(),
+            },
+        )
+    }
+
+    fn dead_letter(msg: &AmqpMessage, headers: FieldTable) -> BasicProperties {
+        republished(msg, Republish::DeadLetter { headers })
+    }
 
     #[test]
     fn republished_copies_all_but_user_id_and_expiration() {
@@ -371,7 +441,7 @@ mod tests {
             .with_delivery_mode(1)
             .with_type("payment".into());
         let msg = AmqpMessage::new(b"{}".to_vec(), props);
-        let retry = republished(&msg, None, Some("250".into()), false);
+        let retry = retry(&msg);
         assert_eq!(retry.user_id(), &None);
         assert_eq!(retry.expiration().as_ref().map(|e| e.as_str()), Some("250"));
         assert_eq!(
@@ -381,7 +451,7 @@ mod tests {
         );
         assert_eq!(retry.message_id().as_ref().map(|e| e.as_str()), Some("m-1"));
         assert_eq!(retry.kind().as_ref().map(|e| e.as_str()), Some("payment"));
-        let dead = republished(&msg, Some(FieldTable::default()), None, true);
+        let dead = dead_letter(&msg, FieldTable::default());
         assert_eq!(dead.expiration(), &None, "a dead letter does not expire");
         assert_eq!(
             dead.delivery_mode(),
@@ -401,13 +471,100 @@ mod tests {
             b"{}".to_vec(),
             BasicProperties::default().with_headers(headers.clone()),
         );
-        for copy in [
-            republished(&msg, None, None, false),
-            republished(&msg, Some(headers), None, true),
-        ] {
+        for copy in [retry(&msg), dead_letter(&msg, headers)] {
             let kept = copy.headers().as_ref().unwrap();
             assert!(kept.contains_key("trace"));
             assert!(!kept.contains_key("CC") && !kept.contains_key("BCC"));
         }
+    }
+
+    /// Headers as a message the work queue dead-lettered once, then redelivered by a quorum
+    /// queue, carries them.
+    fn broker_headers() -> FieldTable {
+        let mut death = FieldTable::default();
+        death.insert("queue".into(), AMQPValue::LongString("payments".into()));
+        death.insert("reason".into(), AMQPValue::LongString("expired".into()));
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+        );
+        for name in &DEATH_HEADERS[1..] {
+            headers.insert((*name).into(), AMQPValue::LongString("payments".into()));
+        }
+        headers.insert(DELIVERY_COUNT.into(), AMQPValue::LongLongInt(3));
+        headers.insert("idempotency-key".into(), AMQPValue::LongString("k".into()));
+        headers
+    }
+
+    #[test]
+    fn a_retry_goes_without_the_broker_s_dead_letter_history_and_delivery_count() {
+        let msg = AmqpMessage::new(
+            b"{}".to_vec(),
+            BasicProperties::default().with_headers(broker_headers()),
+        );
+        let copy = retry(&msg);
+        let kept = copy.headers().as_ref().unwrap();
+        let names: Vec<&str> = kept.inner().keys().map(ShortString::as_str).collect();
+        assert_eq!(names, ["idempotency-key"]);
+    }
+
+    #[test]
+    fn a_dead_letter_keeps_the_dead_letter_history_but_not_the_delivery_count() {
+        let headers = broker_headers();
+        let msg = AmqpMessage::new(
+            b"{}".to_vec(),
+            BasicProperties::default().with_headers(headers.clone()),
+        );
+        let copy = dead_letter(&msg, headers);
+        let kept = copy.headers().as_ref().unwrap();
+        for name in DEATH_HEADERS {
+            assert!(kept.contains_key(name), "{name} kept");
+        }
+        assert!(kept.contains_key("idempotency-key"));
+        assert!(!kept.contains_key(DELIVERY_COUNT));
+    }
+
+    /// The compact form of a dead letter fits the smallest frame AMQP allows (4,096 bytes)
+    /// whatever the message: every property is a short string (at most 255 bytes) and the
+    /// runner's headers are cut to `COMPACT_TEXT` bytes. So a dead letter too large in the
+    /// compact form cannot happen (the runner still handles it: held, then given back).
+    #[test]
+    fn the_compact_form_of_the_largest_dead_letter_fits_the_smallest_frame() {
+        let long = || ShortString::from("s".repeat(255));
+        let mut own = FieldTable::default();
+        own.insert(
+            ShortString::from("h".repeat(255)),
+            AMQPValue::LongString(LongString::from("v".repeat(100_000))),
+        );
+        let props = BasicProperties::default()
+            .with_content_type(long())
+            .with_content_encoding(long())
+            .with_headers(own)
+            .with_delivery_mode(2)
+            .with_priority(9)
+            .with_correlation_id(long())
+            .with_reply_to(long())
+            .with_expiration(long())
+            .with_message_id(long())
+            .with_timestamp(u64::MAX)
+            .with_type(long())
+            .with_user_id(long())
+            .with_app_id(long())
+            .with_cluster_id(long());
+        let msg = AmqpMessage::new(b"{}".to_vec(), props).with_source(
+            &"q".repeat(255),
+            &"x".repeat(255),
+            &"r".repeat(255),
+        );
+        let info = DeadLetterInfo {
+            reason: DeadLetterReason::ResultNotStored,
+            error: "e".repeat(100_000),
+            attempts: None,
+        };
+        let key = "k".repeat(100_000);
+        let headers = crate::dead_letter::headers(&msg, &info, None, Some(&key), Fit::Compact);
+        let size = content_header_size(&dead_letter(&msg, headers)).unwrap();
+        assert!(size <= 4096 - FRAME_OVERHEAD, "{size} bytes");
     }
 }

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
-use idem_executor::broker::{self, DeadLetterInfo, DrainTimeouts, Execution, Step, outcome_name};
+use idem_executor::broker::{
+    self, DeadLetterInfo, DrainTimeouts, Execution, Fit, Step, outcome_name,
+};
 use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
@@ -24,14 +26,15 @@ use crate::dead_letter;
 use crate::error::RunnerError;
 use crate::message::AmqpMessage;
 use crate::options::RunnerOptions;
-use crate::publish::{PublishError, Publisher, republished};
+use crate::publish::{PublishError, Publisher, Republish, republished};
 use crate::stats::{RunnerStats, metric_names as m};
 use crate::topology::{QueueTopology, name};
 
-/// The longest a delivery whose retry publication failed is held before it is given back
-/// (`basic.nack` with requeue): a delivery unacknowledged past the broker's `consumer_timeout`
-/// (30 minutes by default) makes the broker close the channel, and every delivery on it is lost
-/// to the runner. So a longer retry delay is cut to this on that path.
+/// The longest a delivery whose retry or dead-letter publication failed is held before it is
+/// given back (`basic.nack` with requeue): a delivery unacknowledged past the broker's
+/// `consumer_timeout` (30 minutes by default) makes the broker close the channel, and every
+/// delivery on it is lost to the runner. So a longer retry delay is cut to this on the retry
+/// path, and a dead letter is tried for this long.
 pub(crate) const REQUEUE_HOLD_MAX: Duration = Duration::from_secs(60);
 
 /// Pause between two tries of a dead-letter publication that failed.
@@ -145,8 +148,14 @@ where
     /// completes; the deliveries of the lost channel are handled as the crate docs say
     /// ([lost deliveries](crate#lost-deliveries)).
     ///
+    /// Before it returns, it also waits for the deliveries of lost connections still in
+    /// process: their handlers are let finish as the lost deliveries are (half the
+    /// [`orphan_timeout`](RunnerOptions::orphan_timeout) from the loss, then signalled), and their
+    /// tasks are aborted one orphan timeout after the loss at the latest.
+    ///
     /// Must be called within a Tokio runtime. Dropping the returned future drops the connection
-    /// without a drain.
+    /// without a drain (the deliveries of lost connections go on by themselves, within the same
+    /// bounds).
     ///
     /// # Errors
     /// [`RunnerError::Amqp`] when the *first* connection, the declarations or `basic.consume`
@@ -169,7 +178,21 @@ where
         result
     }
 
+    /// Consumes, reconnecting, until `stop`; then waits for the deliveries of lost sessions.
     async fn consume_until(&self, stop: CancellationToken) -> Result<(), RunnerError> {
+        let mut orphans = Orphans::default();
+        let result = self.reconnecting(&stop, &mut orphans).await;
+        orphans.wait(&self.common.queue).await;
+        result
+    }
+
+    /// Connects and consumes, again after each loss, until `stop` (or a failed first
+    /// connection); the tasks of each lost session go to `orphans`.
+    async fn reconnecting(
+        &self,
+        stop: &CancellationToken,
+        orphans: &mut Orphans,
+    ) -> Result<(), RunnerError> {
         let mut failures = 0u32;
         let mut connected = false;
         loop {
@@ -188,7 +211,7 @@ where
                     failures = 0;
                     connected = true;
                     tracing::info!(queue = %self.common.queue, "amqp runner consuming");
-                    match self.consume(session, &stop).await {
+                    match self.consume(session, stop, orphans).await {
                         None => return Ok(()),
                         Some(why) => {
                             RunnerStats::count(&self.common.stats.reconnects, m::RECONNECTS);
@@ -260,8 +283,14 @@ where
         })
     }
 
-    /// Consumes on `session` until it is lost (`Some(why)`) or `stop` (`None`, after the drain).
-    async fn consume(&self, mut session: Session, stop: &CancellationToken) -> Option<String> {
+    /// Consumes on `session` until it is lost (`Some(why)`, its tasks handed to `orphans`) or
+    /// `stop` (`None`, after the drain).
+    async fn consume(
+        &self,
+        mut session: Session,
+        stop: &CancellationToken,
+        orphans: &mut Orphans,
+    ) -> Option<String> {
         let mut tasks = JoinSet::new();
         let max_batch = self
             .common
@@ -274,6 +303,7 @@ where
                 biased;
                 () = stop.cancelled() => break None,
                 Some(joined) = tasks.join_next(), if !tasks.is_empty() => report(joined),
+                Some(joined) = orphans.tasks.join_next(), if !orphans.tasks.is_empty() => report(joined),
                 next = session.consumer.next() => {
                     // The deliveries at hand with this one form its group.
                     let mut group = Vec::new();
@@ -317,9 +347,15 @@ where
         match lost {
             Some(why) => {
                 // The in-flight deliveries cannot be acknowledged any more: the broker requeues
-                // them. Their tasks go on by themselves (see `Execution::try_batch`).
+                // them. Their tasks go on as lost deliveries (see `Execution::try_batch`), kept
+                // so that the shutdown waits for them.
                 session.lost.cancel();
-                tasks.detach_all();
+                orphans.adopt(
+                    tasks,
+                    Arc::clone(&session.unsettled),
+                    Arc::clone(&self.common.stats),
+                    self.common.options.orphan_timeout,
+                );
                 let connection = Arc::clone(&session.connection);
                 let publisher = Arc::clone(&session.publisher);
                 tokio::spawn(async move {
@@ -402,6 +438,81 @@ fn report(joined: Result<(), tokio::task::JoinError>) {
         && e.is_panic()
     {
         tracing::error!(error = %e, "a delivery group's task panicked; its deliveries not settled yet stay unacknowledged until the channel closes");
+    }
+}
+
+/// The delivery tasks of lost sessions (their channel or connection closed), kept so that the
+/// shutdown waits for them as it does for the current session's: one task per lost session,
+/// which waits for that session's tasks.
+///
+/// Those tasks end by themselves: a handler still running is signalled at half the orphan
+/// timeout from the loss, and the executor call dropped at 90% of it
+/// ([`Execution::try_batch`]). What is still there one orphan timeout after the loss (a store
+/// or broker call hanging) is aborted, as [`broker::drain`] does at shutdown. Dropped (the `run`
+/// future dropped), they are detached, not aborted: they go on within the same bounds.
+#[derive(Default)]
+struct Orphans {
+    tasks: JoinSet<()>,
+}
+
+impl Orphans {
+    /// Takes the tasks of a session lost now (`unsettled` counts its deliveries not settled
+    /// yet).
+    fn adopt(
+        &mut self,
+        mut tasks: JoinSet<()>,
+        unsettled: Arc<AtomicUsize>,
+        stats: Arc<RunnerStats>,
+        orphan_timeout: Duration,
+    ) {
+        if tasks.is_empty() {
+            return;
+        }
+        self.tasks.spawn(async move {
+            let deadline = tokio::time::sleep(orphan_timeout);
+            tokio::pin!(deadline);
+            loop {
+                tokio::select! {
+                    biased;
+                    joined = tasks.join_next() => match joined {
+                        Some(joined) => report(joined),
+                        None => return,
+                    },
+                    () = &mut deadline => {
+                        tracing::error!(
+                            left = tasks.len(),
+                            "delivery tasks of a lost connection did not end within the orphan timeout: aborted"
+                        );
+                        let left = unsettled.swap(0, Ordering::Relaxed);
+                        RunnerStats::add(&stats.abandoned, m::ABANDONED, left);
+                        tasks.abort_all();
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Waits for every lost session's tasks to end (each within one orphan timeout from its
+    /// loss).
+    async fn wait(&mut self, queue: &str) {
+        if self.tasks.is_empty() {
+            return;
+        }
+        tracing::info!(
+            queue,
+            lost_sessions = self.tasks.len(),
+            "waiting for the deliveries of lost connections still in process"
+        );
+        while let Some(joined) = self.tasks.join_next().await {
+            report(joined);
+        }
+    }
+}
+
+impl Drop for Orphans {
+    fn drop(&mut self) {
+        self.tasks.detach_all();
     }
 }
 
@@ -646,7 +757,7 @@ where
     async fn retry(&self, msg: &AmqpMessage, delay: Duration, outcome: &str) {
         let common = self.common;
         let expiration = ShortString::from(delay.as_millis().to_string());
-        let properties = republished(msg, None, Some(expiration), false);
+        let properties = republished(msg, Republish::Retry { expiration });
         let published = self
             .publisher
             .publish("", &common.topology.retry_queue, msg.body(), properties)
@@ -666,43 +777,58 @@ where
                     () = self.lost.cancelled() => return self.abandoned(outcome),
                     () = tokio::time::sleep(delay.min(REQUEUE_HOLD_MAX)) => {}
                 }
-                let nack = self.acker.nack(BasicNackOptions {
-                    requeue: true,
-                    ..BasicNackOptions::default()
-                });
-                if matches!(nack.await, Ok(true)) {
-                    RunnerStats::count(&common.stats.requeued, m::REQUEUED);
-                } else {
-                    RunnerStats::count(&common.stats.ack_failures, m::ACK_FAILURES);
-                }
+                self.requeue().await;
             }
         }
     }
 
-    /// Publishes to the dead-letter exchange until it is confirmed, then acknowledges; stops
-    /// (leaving the delivery to the broker) when the delivery is lost.
+    /// Gives the delivery back (`basic.nack` with requeue): the broker delivers it again.
+    async fn requeue(&self) {
+        let nack = self.acker.nack(BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        });
+        if matches!(nack.await, Ok(true)) {
+            RunnerStats::count(&self.common.stats.requeued, m::REQUEUED);
+        } else {
+            RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
+        }
+    }
+
+    /// Publishes to the dead-letter exchange until it is confirmed, then acknowledges.
+    ///
+    /// A dead letter refused as too large for a frame is sent again at once in the next smaller
+    /// [`Fit`]: without the original headers, then compact (the error, the key and the dropped
+    /// names cut to [`COMPACT_TEXT`](broker::COMPACT_TEXT) bytes). Any other failure is tried
+    /// again every [`DEAD_LETTER_RETRY`]. The delivery is held at most [`REQUEUE_HOLD_MAX`]
+    /// (past the broker's `consumer_timeout` the whole channel would be lost): then it is given
+    /// back with `basic.nack` and requeue, and its redelivery, answered from the store (the
+    /// handler does not run again), is dead-lettered again. A dead letter too large even in the
+    /// compact form (which AMQP's limits on property sizes rule out at any frame size the broker
+    /// accepts) is not tried again: it is held until then. Stops (leaving the delivery to the
+    /// broker) when the delivery is lost.
     async fn dead_letter_until_published(&self, msg: &AmqpMessage, info: &DeadLetterInfo) {
         let common = self.common;
+        let held_until = tokio::time::Instant::now() + REQUEUE_HOLD_MAX;
         let key_id = common.execution.key_id(msg);
         let attempts = common
             .execution
             .dead_letter_attempts(info, key_id.as_deref())
             .await;
-        let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), true);
-        let mut properties = republished(msg, Some(headers), None, true);
-        let mut originals_kept = true;
         let topology = &common.topology;
+        let mut fit = Fit::first(msg.headers().is_some_and(|h| !h.inner().is_empty()));
         loop {
+            let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), fit);
             let published = self
                 .publisher
                 .publish(
                     &topology.dead_letter_exchange,
                     &topology.dead_letter_routing_key,
                     msg.body(),
-                    properties.clone(),
+                    republished(msg, Republish::DeadLetter { headers }),
                 )
                 .await;
-            match published {
+            let e = match published {
                 Ok(()) => {
                     RunnerStats::bump(&common.stats.dead_lettered);
                     metrics::counter!(m::DEAD_LETTERED, "reason" => info.reason.as_str())
@@ -717,24 +843,45 @@ where
                     );
                     return self.ack().await;
                 }
-                Err(e @ PublishError::TooLarge { .. }) if originals_kept => {
-                    tracing::warn!(error = %e, "the dead letter does not fit in a frame with the original headers: publishing it with the runner's headers only, naming the original ones");
-                    let headers =
-                        dead_letter::headers(msg, info, attempts, key_id.as_deref(), false);
-                    properties = republished(msg, Some(headers), None, true);
-                    originals_kept = false;
-                    continue;
-                }
-                Err(e) => {
-                    RunnerStats::count(&common.stats.publish_failures, m::PUBLISH_FAILURES);
-                    tracing::error!(error = %e, dead_letter_exchange = %topology.dead_letter_exchange, "dead-letter publication failed; trying again");
-                    self.redeclare_if_missing(&e).await;
-                }
+                Err(e) => e,
+            };
+            if self.lost.is_cancelled() {
+                return self.abandoned("dead_letter_pending");
             }
+            let too_large = matches!(e, PublishError::TooLarge { .. });
+            if too_large && let Some(smaller) = fit.smaller() {
+                if smaller == Fit::Compact {
+                    tracing::warn!(error = %e, "the dead letter does not fit in a frame with the runner's headers: publishing it with the error, the key and the dropped header names cut short");
+                } else {
+                    tracing::warn!(error = %e, "the dead letter does not fit in a frame with the original headers: publishing it with the runner's headers only, naming the original ones");
+                }
+                fit = smaller;
+                continue;
+            }
+            RunnerStats::count(&common.stats.publish_failures, m::PUBLISH_FAILURES);
+            let next_try = if too_large {
+                // No try will fit: hold the delivery until it is given back, not retry it
+                // every second.
+                tracing::error!(error = %e, reason = info.reason.as_str(), held = ?REQUEUE_HOLD_MAX, "the dead letter does not fit in a frame even in its compact form: holding the delivery, then giving it back");
+                held_until
+            } else {
+                tracing::error!(error = %e, dead_letter_exchange = %topology.dead_letter_exchange, "dead-letter publication failed; trying again");
+                self.redeclare_if_missing(&e).await;
+                (tokio::time::Instant::now() + DEAD_LETTER_RETRY).min(held_until)
+            };
             tokio::select! {
                 biased;
                 () = self.lost.cancelled() => return self.abandoned("dead_letter_pending"),
-                () = tokio::time::sleep(DEAD_LETTER_RETRY) => {}
+                () = tokio::time::sleep_until(next_try) => {}
+            }
+            if tokio::time::Instant::now() >= held_until {
+                tracing::error!(
+                    reason = info.reason.as_str(),
+                    held = ?REQUEUE_HOLD_MAX,
+                    dead_letter_exchange = %topology.dead_letter_exchange,
+                    "the dead letter was not published in time: giving the delivery back (basic.nack with requeue); its redelivery is dead-lettered again"
+                );
+                return self.requeue().await;
             }
         }
     }

@@ -12,8 +12,8 @@ pub mod metric_names {
     pub const DEAD_LETTERED: &str = "idem_amqp_dead_lettered";
     /// Deliveries published to the retry queue for a delayed redelivery (then acknowledged).
     pub const RETRIES: &str = "idem_amqp_retries";
-    /// Deliveries given back with `basic.nack` and `requeue` because the retry publication
-    /// failed (redelivered at once).
+    /// Deliveries given back with `basic.nack` and `requeue` (redelivered at once) because the
+    /// retry publication failed, or the dead letter was not published within a minute.
     pub const REQUEUED: &str = "idem_amqp_requeued";
     /// Leases released because the delivery was lost (channel closed, drain timed out) before its
     /// handler started.
@@ -99,7 +99,8 @@ impl RunnerStats {
         self.retries.load(Ordering::Relaxed)
     }
 
-    /// Deliveries requeued at once because their retry publication failed.
+    /// Deliveries given back (`basic.nack` with requeue) because their retry publication failed,
+    /// or their dead letter was not published within a minute.
     pub fn requeued(&self) -> u64 {
         self.requeued.load(Ordering::Relaxed)
     }

@@ -210,6 +210,126 @@ async fn a_memory_alarm_blocking_publications_does_not_stop_acknowledgements() {
     );
 }
 
+/// A connection lost while a handler runs, then a shutdown: [`AmqpRunner::run`] returns only
+/// once that handler has finished and its result is recorded (it gets half the orphan timeout
+/// to finish, as the lost deliveries do), whether the stop comes after the runner reconnected
+/// (the connections closed by the broker) or while it is still trying to (the broker killed).
+/// Before, the tasks of a lost connection were left to themselves: `run` returned at once
+/// (4 ms after the stop in the review), with the handler mid-effect and its key in progress; a
+/// service exiting then killed the handler, and the key's next owner ran the effect again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_the_handlers_of_a_lost_connection() {
+    if !amqp_and_redis() || !rabbitmq_program() {
+        return;
+    }
+    init_tracing();
+    let mut node = PrivateNode::start().await;
+    // The broker closes the connections; the runner reconnects, then is stopped.
+    stop_after_a_lost_connection(&mut node, false).await;
+    // The broker dies; the runner is stopped while it tries to reconnect.
+    stop_after_a_lost_connection(&mut node, true).await;
+}
+
+async fn stop_after_a_lost_connection(node: &mut PrivateNode, kill: bool) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use idem_core::{IdempotencyStore, Namespace, RecordState};
+
+    let url = node.url();
+    let topology = topology("orphan", QueueType::Classic);
+    declare(&url, &topology).await;
+    publish(&url, &topology.queue, &[Msg::keyed("slow", "{}")]).await;
+    let store = shared(redis_store(&format!("{}:", unique("idem-amqp-orphan"))).await);
+    let (started, finished) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (start, finish) = (Arc::clone(&started), Arc::clone(&finished));
+    let handler = move |_msg: AmqpMessage, _ctx: HandlerContext| {
+        let (start, finish) = (Arc::clone(&start), Arc::clone(&finish));
+        async move {
+            start.store(true, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            finish.store(true, Ordering::SeqCst);
+            Ok::<_, HandlerError>("charged".to_owned())
+        }
+    };
+    let runner = AmqpRunner::builder(
+        &url,
+        topology.clone(),
+        executor(store.clone(), ExecutorConfig::new("orphan")),
+        handler,
+    )
+    .options(
+        RunnerOptions::default()
+            .with_orphan_timeout(Duration::from_secs(10))
+            .with_retry_delays(Duration::from_millis(50), Duration::from_millis(500))
+            .with_reconnect_delays(Duration::from_millis(100), Duration::from_millis(500)),
+    )
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let running = wait_for(Duration::from_secs(20), || {
+        let started = Arc::clone(&started);
+        async move { started.load(Ordering::SeqCst) }
+    })
+    .await;
+    assert!(running, "the handler started: {stats:?}");
+    if kill {
+        node.kill();
+    } else {
+        node.ctl(&["close_all_connections", "idem-amqp test: connection lost"]);
+    }
+    let watched = std::sync::Arc::clone(&stats);
+    let lost = wait_for(Duration::from_secs(10), || {
+        let s = std::sync::Arc::clone(&watched);
+        async move { s.reconnects() >= 1 }
+    })
+    .await;
+    assert!(lost, "the runner saw the connection lost: {stats:?}");
+    if !kill {
+        // Consuming again on a new connection.
+        let (url, queue) = (url.clone(), topology.queue.clone());
+        let consuming = wait_for(Duration::from_secs(10), || {
+            let (url, queue) = (url.clone(), queue.clone());
+            async move { queue_state(&url, &queue).await.1 == 1 }
+        })
+        .await;
+        assert!(consuming, "reconnected: {stats:?}");
+    }
+    assert!(
+        !finished.load(Ordering::SeqCst),
+        "the handler still runs when the stop comes"
+    );
+    let stopping = Instant::now();
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("stopped in time")
+        .unwrap()
+        .expect("run");
+    let took = stopping.elapsed();
+    let record = store
+        .get(&Namespace::new("orphan").unwrap().key("slow").unwrap())
+        .await
+        .unwrap();
+    assert!(
+        finished.load(Ordering::SeqCst),
+        "run returned {took:?} after the stop, before the handler of the lost connection finished (kill: {kill})"
+    );
+    assert!(
+        matches!(
+            record.as_ref().map(|r| &r.state),
+            Some(RecordState::Completed { .. })
+        ),
+        "its completion is recorded when run returns (kill: {kill}): {record:?}"
+    );
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
+
 trait Then: std::future::Future + Sized {
     fn then<U>(self, f: impl FnOnce(Self::Output) -> U) -> impl std::future::Future<Output = U> {
         async move { f(self.await) }

@@ -693,3 +693,382 @@ async fn a_dead_letter_exchange_deleted_while_running_is_declared_again() {
     );
     cleanup(&url, &topology).await;
 }
+
+/// The queues named in a message's `x-death` header (RabbitMQ's dead-letter history).
+fn death_queues(headers: &lapin::types::FieldTable) -> Vec<String> {
+    use lapin::types::AMQPValue;
+    let Some(AMQPValue::FieldArray(deaths)) = headers.inner().get("x-death") else {
+        return Vec::new();
+    };
+    deaths
+        .as_slice()
+        .iter()
+        .filter_map(|death| match death {
+            AMQPValue::FieldTable(death) => match death.inner().get("queue") {
+                Some(AMQPValue::LongString(q)) => {
+                    Some(String::from_utf8_lossy(q.as_bytes()).into_owned())
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
+}
+
+/// A message the work queue dead-lettered once (here: expired by a queue TTL into a parking
+/// queue) and that was then moved back into the work queue carries an `x-death` entry naming
+/// the work queue. Its retry copy goes without RabbitMQ's dead-letter headers, so when it expires
+/// from the retry queue the broker moves it back to the work queue: the handler runs a second
+/// time and the key ends completed. Before, the copy kept `x-death`; the broker saw the work
+/// queue in it, took the move back for a dead-letter cycle and dropped the copy ("Dead-letter
+/// queues cycle detected"), the original being acknowledged already: the message was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_message_with_a_death_history_naming_the_work_queue_comes_back() {
+    if !amqp_and_redis() {
+        return;
+    }
+    init_tracing();
+    for queue_type in [QueueType::Classic, QueueType::Quorum] {
+        retried_with_death_history(queue_type).await;
+    }
+}
+
+async fn retried_with_death_history(queue_type: QueueType) {
+    use lapin::options::{
+        BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+        QueueDeleteOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable, LongString};
+    let url = amqp_url();
+    let topology = topology("runner-x-death", queue_type);
+    let parking = unique("parking");
+    let conn = connect(&url).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    ch.queue_declare(
+        parking.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    // For a moment, a queue of the work queue's name that expires what it holds into the
+    // parking queue: the broker writes an `x-death` entry naming the work queue.
+    let mut args = FieldTable::default();
+    args.insert("x-message-ttl".into(), AMQPValue::LongInt(1));
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(LongString::from("")),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(LongString::from(parking.as_str())),
+    );
+    ch.queue_declare(
+        topology.queue.as_str().into(),
+        QueueDeclareOptions::default(),
+        args,
+    )
+    .await
+    .unwrap();
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "idempotency-key".into(),
+        AMQPValue::LongString(LongString::from("moved-back")),
+    );
+    let props = lapin::BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    ch.basic_publish(
+        "".into(),
+        topology.queue.as_str().into(),
+        BasicPublishOptions::default(),
+        b"{}",
+        props,
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let parked = wait_for(Duration::from_secs(10), || {
+        let (url, parking) = (url.clone(), parking.clone());
+        async move { queue_state(&url, &parking).await.0 == 1 }
+    })
+    .await;
+    assert!(parked, "the message expired into the parking queue");
+    let parked = ch
+        .basic_get(parking.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("the parked message")
+        .delivery;
+    let history = death_queues(parked.properties.headers().as_ref().unwrap());
+    assert_eq!(
+        history,
+        std::slice::from_ref(&topology.queue),
+        "the broker's history names the work queue"
+    );
+    ch.queue_delete(
+        topology.queue.as_str().into(),
+        QueueDeleteOptions::default(),
+    )
+    .await
+    .unwrap();
+    // The operator moves it back into the (real) work queue, headers and all.
+    declare(&url, &topology).await;
+    let confirm = ch
+        .basic_publish(
+            "".into(),
+            topology.queue.as_str().into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            &parked.data,
+            parked.properties.clone(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack() && confirm.take_message().is_none());
+
+    let prefix = format!("{}:", unique("idem-amqp-x-death"));
+    let store = shared(redis_store(&prefix).await);
+    let runs = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&runs);
+    let handler = move |_msg: AmqpMessage, ctx: HandlerContext| {
+        let seen = Arc::clone(&seen);
+        async move {
+            seen.fetch_add(1, Ordering::SeqCst);
+            if ctx.attempt() == 1 {
+                return Err(HandlerError::retryable("not yet"));
+            }
+            Ok::<_, HandlerError>(ctx.attempt())
+        }
+    };
+    let config = ExecutorConfig::new("x-death").with_retry_delay(Duration::from_millis(50));
+    let runner = AmqpRunner::builder(
+        &url,
+        topology.clone(),
+        executor(store.clone(), config),
+        handler,
+    )
+    .options(options())
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let done = run_until(runner, |s| s.executed() == 1).await;
+    let key = Namespace::new("x-death")
+        .unwrap()
+        .key("moved-back")
+        .unwrap();
+    let record = store.get(&key).await.unwrap();
+    let work = queue_state(&url, &topology.queue).await;
+    let retry = queue_state(&url, &topology.retry_queue).await;
+    let dead = drain_queue(&url, &topology.dead_letter_queue).await;
+    ch.queue_delete(parking.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let _ = conn.close(200, "bye".into()).await;
+    cleanup(&url, &topology).await;
+    let runs = runs.load(Ordering::SeqCst);
+    assert!(
+        done,
+        "{queue_type:?}: the retry never came back ({runs} runs, queues {work:?} {retry:?}): {stats:?}"
+    );
+    assert_eq!(runs, 2, "{queue_type:?}");
+    assert_eq!(stats.retries(), 1, "{stats:?}");
+    assert!(
+        matches!(
+            record.as_ref().map(|r| &r.state),
+            Some(RecordState::Completed { .. })
+        ),
+        "{record:?}"
+    );
+    assert_eq!(work, (0, 0), "nothing left in the work queue");
+    assert_eq!(retry.0, 0);
+    assert!(dead.is_empty(), "{dead:?}");
+}
+
+/// `url` with a `frame_max` of 4,096 bytes, the smallest AMQP allows.
+fn with_small_frames(url: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}frame_max=4096")
+}
+
+/// On a connection with the smallest frame size (4,096 bytes), a dead letter with a 5,000-byte
+/// error does not fit in a frame with the original headers, nor without them (the error header
+/// alone is cut to 4,096 bytes): it goes in the compact form, its error and key headers cut to
+/// `COMPACT_TEXT` bytes and the original headers named, and the original is acknowledged.
+/// Before, the form without the original headers was refused as too large and then tried again
+/// every second, forever: the delivery was held and nothing was dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_too_large_without_the_original_headers_goes_compact() {
+    use idem_executor::broker::COMPACT_TEXT;
+    if !amqp_and_redis() {
+        return;
+    }
+    init_tracing();
+    let url = with_small_frames(&amqp_url());
+    let topology = topology("runner-compact", QueueType::Classic);
+    declare(&url, &topology).await;
+    let key = "k".repeat(400);
+    publish(&url, &topology.queue, &[Msg::keyed(&key, "{}")]).await;
+    let store = shared(redis_store(&format!("{}:", unique("idem-amqp-compact"))).await);
+    let runs = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&runs);
+    let handler = move |_msg: AmqpMessage, _ctx: HandlerContext| {
+        let seen = Arc::clone(&seen);
+        async move {
+            seen.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(HandlerError::terminal("e".repeat(5_000)))
+        }
+    };
+    let runner = AmqpRunner::builder(
+        &url,
+        topology.clone(),
+        executor(store, ExecutorConfig::new("amqp-compact")),
+        handler,
+    )
+    .options(options())
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let done = run_until(runner, |s| s.dead_lettered() == 1).await;
+    let work = queue_state(&url, &topology.queue).await;
+    let dead = drain_queue(&url, &topology.dead_letter_queue).await;
+    cleanup(&url, &topology).await;
+    assert!(done, "{stats:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(stats.reconnects(), 0, "{stats:?}");
+    assert_eq!(work, (0, 0), "the original is acknowledged");
+    assert_eq!(dead.len(), 1);
+    let dead = &dead[0];
+    assert_eq!(
+        dead.header(idem_amqp::HEADER_REASON).as_deref(),
+        Some("failed")
+    );
+    let error = dead.header(idem_amqp::HEADER_ERROR).unwrap();
+    assert!(
+        error.len() <= COMPACT_TEXT && error.starts_with("eee") && error.ends_with('…'),
+        "the error is cut to {COMPACT_TEXT} bytes: {} bytes",
+        error.len()
+    );
+    let cut = dead.header(idem_amqp::HEADER_KEY).unwrap();
+    assert!(
+        cut.len() <= COMPACT_TEXT && cut.starts_with("kkk") && cut.ends_with('…'),
+        "the key is cut to {COMPACT_TEXT} bytes: {} bytes",
+        cut.len()
+    );
+    assert_eq!(dead.header("idempotency-key"), None);
+    assert_eq!(
+        dead.header(idem_amqp::HEADER_DROPPED).as_deref(),
+        Some("idempotency-key")
+    );
+    assert_eq!(
+        dead.header(idem_amqp::HEADER_SOURCE_QUEUE).as_deref(),
+        Some(topology.queue.as_str())
+    );
+}
+
+/// A dead-letter exchange that routes nowhere (no queue bound: `dead_letter_queue` empty, the
+/// operator's binding missing) refuses every dead letter. The delivery is held at most a minute
+/// (a delivery held past the broker's `consumer_timeout` costs the whole channel), then given
+/// back with `basic.nack` and requeue; the redelivery is answered from the store (the handler
+/// does not run again) and dead-lettered again, and lands once a queue is bound. Before, the
+/// delivery was held, the dead letter tried every second, without a bound. Takes a minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_refused_for_a_minute_is_given_back_and_dead_lettered_again() {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    if !amqp_and_redis() {
+        return;
+    }
+    init_tracing();
+    let url = amqp_url();
+    let topology = topology("runner-dlx-unbound", QueueType::Classic).with_dead_letter_queue("");
+    declare(&url, &topology).await;
+    publish(&url, &topology.queue, &[Msg::keyed("bad", "{}")]).await;
+    let store = shared(redis_store(&format!("{}:", unique("idem-amqp-unbound"))).await);
+    let runs = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&runs);
+    let handler = move |_msg: AmqpMessage, _ctx: HandlerContext| {
+        let seen = Arc::clone(&seen);
+        async move {
+            seen.fetch_add(1, Ordering::SeqCst);
+            Err::<(), _>(HandlerError::terminal("malformed amount"))
+        }
+    };
+    let runner = AmqpRunner::builder(
+        &url,
+        topology.clone(),
+        executor(store, ExecutorConfig::new("amqp-unbound")),
+        handler,
+    )
+    .options(options())
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let watched = Arc::clone(&stats);
+    let started = Instant::now();
+    let requeued = wait_for(Duration::from_secs(90), || {
+        let s = Arc::clone(&watched);
+        async move { s.requeued() >= 1 }
+    })
+    .await;
+    let held = started.elapsed();
+    // The operator binds a queue.
+    let parked = unique("dlq");
+    let conn = connect(&url).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        parked.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        parked.as_str().into(),
+        topology.dead_letter_exchange.as_str().into(),
+        topology.dead_letter_routing_key.as_str().into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let watched = Arc::clone(&stats);
+    let landed = wait_for(Duration::from_secs(20), || {
+        let s = Arc::clone(&watched);
+        async move { s.dead_lettered() == 1 }
+    })
+    .await;
+    stop.cancel();
+    let ran = tokio::time::timeout(Duration::from_secs(20), task).await;
+    let work = queue_state(&url, &topology.queue).await;
+    let dead = drain_queue(&url, &parked).await;
+    let _ = conn.close(200, "bye".into()).await;
+    cleanup(&url, &topology.clone().with_dead_letter_queue(parked)).await;
+    ran.expect("drained in time").unwrap().expect("run");
+    assert!(
+        requeued,
+        "the delivery was given back within 90 s: {stats:?}"
+    );
+    assert!(
+        held >= Duration::from_secs(55),
+        "held about a minute first: {held:?}"
+    );
+    assert!(landed, "{stats:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(work, (0, 0));
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].header(idem_amqp::HEADER_REASON).as_deref(),
+        Some("failed")
+    );
+}
