@@ -95,7 +95,7 @@ impl Shared {
             return;
         };
         let mut flow = lock(&slot.flow);
-        if !flow.dispatched(msg.offset()) {
+        if !flow.dispatched(msg.offset(), msg.size()) {
             tracing::warn!(
                 topic = msg.topic(),
                 partition = msg.partition(),
@@ -248,7 +248,9 @@ impl Shared {
             for _ in 0..flow_buffered(&flow) {
                 RunnerStats::bump(&self.stats.abandoned);
             }
-            if let Some(offset) = flow.to_commit() {
+            // Even when an asynchronous commit of it was sent: unacknowledged, it may yet fail,
+            // and the next owner would process again what this one resolved.
+            if let Some(offset) = flow.final_commit() {
                 let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(offset));
             }
         }

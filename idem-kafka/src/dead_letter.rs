@@ -127,8 +127,10 @@ impl DeadLetterProducer {
         topic: DeadLetterTopic,
         timeout: Duration,
     ) -> Result<Self, RunnerError> {
-        // A write that timed out must not be delivered later, behind the retry: the client gives
-        // up on the message when the runner does.
+        // The client gives up on the message when the runner does, so that it is not still
+        // queued, and sent later, behind the runner's next try. A write that timed out after it
+        // was sent may still have been appended by the broker (only its acknowledgement was
+        // missing): the next try then writes the dead letter a second time.
         let mut config = config.clone();
         config.set(
             "message.timeout.ms",

@@ -21,34 +21,114 @@ use rdkafka::message::{Headers, Message as _, OwnedHeaders, OwnedMessage};
 ///
 /// Kafka header names are bytes on the wire, and any producer may send one that is not UTF-8.
 /// rdkafka reads names as text and panics on such a name (in `Headers::iter`, `try_get`,
-/// `get`). A `KafkaMessage` finds such headers once, when it is made, and
-/// [`header`](Self::header) (so every key source) passes over them: a name that is not UTF-8
-/// is never the name asked for. Code that walks [`headers`](Self::headers) itself must check
-/// [`headers_readable`](Self::headers_readable) first. Finding them runs the process's panic
-/// hook once per such header (the default hook prints a "panicked" line on standard error; a
-/// hook that reports or exits does so); the dead letter copies the headers without reading them.
+/// `get`), and its safe API has no other way to read a name. A `KafkaMessage` finds such
+/// headers once, when it is made, and [`header`](Self::header) (so every key source) passes
+/// over them: a name that is not UTF-8 is never the name asked for. Code that walks
+/// [`headers`](Self::headers) itself must check [`headers_readable`](Self::headers_readable)
+/// first. Finding one runs the process's panic hook once (the default hook prints a
+/// "panicked" line on standard error; a hook that reports or exits does so); the dead letter
+/// copies the headers without reading them.
+///
+/// # Records whose headers are not read
+///
+/// The work of reading the names is bounded, as a hostile record could otherwise hold the
+/// runner's poll thread for seconds (a 1 MB record holds some 330,000 one-byte names, and each
+/// name that is not UTF-8 costs a panic). A record with more than
+/// [`MAX_HEADERS`](Self::MAX_HEADERS) headers, or with more than
+/// [`MAX_UNREADABLE_HEADER_NAMES`](Self::MAX_UNREADABLE_HEADER_NAMES) names that are not UTF-8,
+/// has its headers refused: [`invalid_headers`](Self::invalid_headers) says why,
+/// [`header`](Self::header) finds nothing, and the runner dead-letters the record as
+/// `invalid_message` without handing it to the executor. Reading them runs the panic hook at
+/// most `MAX_UNREADABLE_HEADER_NAMES + 1` times.
 #[derive(Clone)]
 pub struct KafkaMessage {
     inner: Arc<OwnedMessage>,
-    /// The indexes of the headers whose names rdkafka cannot read (empty, not allocated, when
-    /// every name is UTF-8).
-    unreadable: Box<[usize]>,
+    /// What reading the header names found.
+    names: Names,
+    /// The bytes the record holds: see [`size`](Self::size).
+    size: usize,
+}
+
+/// What reading a record's header names found.
+#[derive(Clone, Debug, Default)]
+enum Names {
+    /// Every name is UTF-8 (or there are no headers).
+    #[default]
+    Readable,
+    /// The indexes (ascending) of the names that are not UTF-8, at most
+    /// [`KafkaMessage::MAX_UNREADABLE_HEADER_NAMES`]; the other names are readable.
+    Unreadable(Box<[usize]>),
+    /// The headers are not read, for this reason.
+    Refused(Box<str>),
 }
 
 impl KafkaMessage {
+    /// Most headers a record may have: the headers of a record with more are not read (see
+    /// [Records whose headers are not read](Self#records-whose-headers-are-not-read)) and the
+    /// runner dead-letters it as `invalid_message`.
+    pub const MAX_HEADERS: usize = 10_000;
+
+    /// Most header names that are not UTF-8 a record may have (each costs a panic to find): the
+    /// headers of a record with more are not read (see
+    /// [Records whose headers are not read](Self#records-whose-headers-are-not-read)) and the
+    /// runner dead-letters it as `invalid_message`.
+    pub const MAX_UNREADABLE_HEADER_NAMES: usize = 1;
+
+    /// Bytes counted per header on top of its name and value in [`size`](Self::size): about
+    /// what librdkafka allocates for a header besides them (its `rd_kafka_header_t` and list
+    /// slot), so that a record of many empty headers counts for the memory it takes.
+    pub const HEADER_OVERHEAD: usize = 48;
+
     /// Wraps an owned record (the runner detaches every polled record into one).
     pub fn new(message: OwnedMessage) -> Self {
-        let unreadable = message.headers().map_or_else(Box::default, unreadable);
+        let (names, header_bytes) = message
+            .headers()
+            .map_or_else(|| (Names::default(), 0), read_names);
+        let size = message.key().map_or(0, <[u8]>::len)
+            + message.payload().map_or(0, <[u8]>::len)
+            + header_bytes;
         Self {
             inner: Arc::new(message),
-            unreadable,
+            names,
+            size,
         }
     }
 
+    /// Bytes of this record the runner counts against
+    /// [`max_buffered_bytes_per_partition`](crate::RunnerOptions::max_buffered_bytes_per_partition):
+    /// its key and value, and per header its name, its value and
+    /// [`HEADER_OVERHEAD`](Self::HEADER_OVERHEAD) bytes of bookkeeping (for the headers whose
+    /// names are not read, the overhead only).
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
     /// Whether every header name is UTF-8, so that walking [`headers`](Self::headers) does not
-    /// panic (see [the type's docs](Self#header-names-that-are-not-utf-8)).
+    /// panic (see [the type's docs](Self#header-names-that-are-not-utf-8)). `false` too when
+    /// the headers are not read ([`invalid_headers`](Self::invalid_headers)).
     pub fn headers_readable(&self) -> bool {
-        self.unreadable.is_empty()
+        matches!(self.names, Names::Readable)
+    }
+
+    /// Why the record's headers are not read, when they are not: more than
+    /// [`MAX_HEADERS`](Self::MAX_HEADERS) headers, or more than
+    /// [`MAX_UNREADABLE_HEADER_NAMES`](Self::MAX_UNREADABLE_HEADER_NAMES) names that are not
+    /// UTF-8. [`header`](Self::header) then finds nothing, and the runner dead-letters the
+    /// record as `invalid_message` without handing it to the executor.
+    pub fn invalid_headers(&self) -> Option<&str> {
+        match &self.names {
+            Names::Refused(reason) => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// Whether the name of header `i` can be read without a panic.
+    fn readable(&self, i: usize) -> bool {
+        match &self.names {
+            Names::Readable => true,
+            Names::Unreadable(unreadable) => unreadable.binary_search(&i).is_err(),
+            Names::Refused(_) => false,
+        }
     }
 
     /// The topic the record was read from.
@@ -88,27 +168,36 @@ impl KafkaMessage {
     }
 
     /// The value of the first header called `name` (compared exactly); `None` when there is no
-    /// such header or its value is null. Headers whose names are not UTF-8 are passed over.
+    /// such header or its value is null. Headers whose names are not UTF-8 are passed over;
+    /// nothing is found in headers that are not read
+    /// ([`invalid_headers`](Self::invalid_headers)).
     pub fn header(&self, name: &str) -> Option<&[u8]> {
+        if let Names::Refused(_) = self.names {
+            return None;
+        }
         let headers = self.inner.headers()?;
         (0..headers.count())
-            .filter(|i| !self.unreadable.contains(i))
+            .filter(|&i| self.readable(i))
             .filter_map(|i| headers.try_get(i))
             .find(|h| h.key == name)
             .and_then(|h| h.value)
     }
 
-    /// The header names in order, a name that is not UTF-8 as `<not UTF-8>`.
+    /// The header names in order, a name that is not UTF-8 as `<not UTF-8>`; for headers that
+    /// are not read, one entry saying so.
     pub(crate) fn header_names(&self) -> Vec<&str> {
         let Some(headers) = self.inner.headers() else {
             return Vec::new();
         };
+        if let Names::Refused(_) = self.names {
+            return vec!["<not read: see the error>"];
+        }
         (0..headers.count())
             .map(|i| {
-                if self.unreadable.contains(&i) {
-                    "<not UTF-8>"
-                } else {
+                if self.readable(i) {
                     headers.try_get(i).map_or("", |h| h.key)
+                } else {
+                    "<not UTF-8>"
                 }
             })
             .collect()
@@ -125,12 +214,55 @@ impl KafkaMessage {
     }
 }
 
-/// The indexes of the headers whose names rdkafka cannot read: it panics on a name that is not
-/// UTF-8.
-fn unreadable(headers: &OwnedHeaders) -> Box<[usize]> {
-    (0..headers.count())
-        .filter(|&i| catch_unwind(AssertUnwindSafe(|| headers.try_get(i))).is_err())
-        .collect()
+/// Reads every header name once to find those rdkafka cannot read (it panics on a name that is
+/// not UTF-8, and its safe API has no other way to read a name): one `catch_unwind` over the
+/// names from the first on, then from the one after each that panicked. Refuses the headers
+/// without reading any when there are more than [`KafkaMessage::MAX_HEADERS`], and stops at the
+/// first unreadable name past [`KafkaMessage::MAX_UNREADABLE_HEADER_NAMES`]. Also returns the
+/// bytes the headers count in [`KafkaMessage::size`].
+fn read_names(headers: &OwnedHeaders) -> (Names, usize) {
+    let count = headers.count();
+    let overhead = count.saturating_mul(KafkaMessage::HEADER_OVERHEAD);
+    if count > KafkaMessage::MAX_HEADERS {
+        let reason = format!(
+            "{count} headers, over the runner's limit of {}",
+            KafkaMessage::MAX_HEADERS
+        );
+        return (Names::Refused(reason.into()), overhead);
+    }
+    let mut bytes = overhead;
+    let mut unreadable = Vec::new();
+    let mut next = 0;
+    while next < count {
+        // Left at the name that panicked, if one does.
+        let mut at = next;
+        let read = catch_unwind(AssertUnwindSafe(|| {
+            while at < count {
+                if let Some(h) = headers.try_get(at) {
+                    bytes += h.key.len() + h.value.map_or(0, <[u8]>::len);
+                }
+                at += 1;
+            }
+        }));
+        if read.is_ok() {
+            break;
+        }
+        if unreadable.len() == KafkaMessage::MAX_UNREADABLE_HEADER_NAMES {
+            let reason = format!(
+                "more than {} header names that are not UTF-8",
+                KafkaMessage::MAX_UNREADABLE_HEADER_NAMES
+            );
+            return (Names::Refused(reason.into()), bytes);
+        }
+        unreadable.push(at);
+        next = at + 1;
+    }
+    let names = if unreadable.is_empty() {
+        Names::Readable
+    } else {
+        Names::Unreadable(unreadable.into())
+    };
+    (names, bytes)
 }
 
 impl fmt::Debug for KafkaMessage {

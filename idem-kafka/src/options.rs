@@ -48,16 +48,26 @@ pub struct RunnerOptions {
     /// so does a [`max_batch`](Self::max_batch) of 1 (one record at a time), whatever this is.
     pub max_batches_per_partition: usize,
     /// Records of a partition held by the runner, waiting or in process (default 100,000, as
-    /// librdkafka's own prefetch bound `queued.min.messages`). A partition whose buffer is full
-    /// is paused until it drains to half.
+    /// librdkafka's prefetch target `queued.min.messages`). A partition whose buffer is full, in
+    /// records or in bytes
+    /// ([`max_buffered_bytes_per_partition`](Self::max_buffered_bytes_per_partition)), is paused
+    /// until it drains to half of both.
     ///
     /// A pause drops what the client prefetched for the partition, and after the resume the
     /// refetch may wait for a fetch request already in flight, up to `fetch.wait.max.ms` (500 ms
     /// by default), so a bound the runner reaches in the common case costs throughput: with
     /// 2,048 the runner measured about 4,000 records/s on one partition against about 7,800 with a
-    /// buffer that never paused, and with 256 about 480. Lower it only to bound memory (each
-    /// record is held with its payload).
+    /// buffer that never paused, and with 256 about 480. The byte bound is the one that bounds
+    /// memory.
     pub max_buffered_per_partition: usize,
+    /// Bytes of the records of a partition held by the runner, waiting or in process (default
+    /// 64 MiB, as librdkafka's `queued.max.messages.kbytes`), counted as
+    /// [`KafkaMessage::size`](crate::KafkaMessage::size) (key, value and headers). A partition
+    /// whose buffer reaches it is paused until it drains to half (of this and of
+    /// [`max_buffered_per_partition`](Self::max_buffered_per_partition)); the record that
+    /// crosses it is kept, so a partition holds at most this plus one record. The runner holds
+    /// up to this per assigned partition, on top of what librdkafka prefetches.
+    pub max_buffered_bytes_per_partition: usize,
     /// How often resolved offsets are committed (default 1 s). Commits also happen at every
     /// revocation and at shutdown.
     pub commit_interval: Duration,
@@ -74,8 +84,11 @@ pub struct RunnerOptions {
     /// creates these topics: see [Topics](crate#topics).
     pub dead_letter_topic: DeadLetterTopic,
     /// How long one dead-letter write may take before it is tried again (default 30 s). Also the
-    /// dead-letter producer's `message.timeout.ms`, so a write that timed out is never delivered
-    /// later.
+    /// dead-letter producer's `message.timeout.ms`, so that a write that timed out is not still
+    /// queued in the client behind the next try. A write that timed out after it was sent may
+    /// still have been appended by the broker (its acknowledgement is what was missing): the
+    /// next try then writes the dead letter again, so dead letters are at least once (see
+    /// [Offsets](crate#offsets-what-is-committed-and-when)).
     pub dead_letter_timeout: Duration,
     /// Longest wait of a revocation for the revoked partitions' in-flight records to release their
     /// leases or finish (default 10 s). The group's rebalance waits that long at most. A handler
@@ -104,6 +117,7 @@ impl Default for RunnerOptions {
             max_batch: 100,
             max_batches_per_partition: 2,
             max_buffered_per_partition: 100_000,
+            max_buffered_bytes_per_partition: 64 * 1024 * 1024,
             commit_interval: Duration::from_secs(1),
             min_retry_delay: Duration::from_millis(5),
             max_retry_delay: Duration::from_secs(5),
@@ -139,6 +153,12 @@ impl RunnerOptions {
     /// Sets [`max_buffered_per_partition`](Self::max_buffered_per_partition).
     pub fn with_max_buffered_per_partition(mut self, n: usize) -> Self {
         self.max_buffered_per_partition = n;
+        self
+    }
+
+    /// Sets [`max_buffered_bytes_per_partition`](Self::max_buffered_bytes_per_partition).
+    pub fn with_max_buffered_bytes_per_partition(mut self, bytes: usize) -> Self {
+        self.max_buffered_bytes_per_partition = bytes;
         self
     }
 
@@ -209,6 +229,12 @@ impl RunnerOptions {
         if self.max_buffered_per_partition == 0 {
             return Err(RunnerError::config(
                 "max_buffered_per_partition",
+                "must be at least 1",
+            ));
+        }
+        if self.max_buffered_bytes_per_partition == 0 {
+            return Err(RunnerError::config(
+                "max_buffered_bytes_per_partition",
                 "must be at least 1",
             ));
         }
@@ -345,6 +371,14 @@ mod tests {
             (
                 RunnerOptions::default().with_poll_interval(Duration::from_nanos(1)),
                 "poll_interval",
+            ),
+            (
+                RunnerOptions::default().with_max_buffered_per_partition(0),
+                "max_buffered_per_partition",
+            ),
+            (
+                RunnerOptions::default().with_max_buffered_bytes_per_partition(0),
+                "max_buffered_bytes_per_partition",
             ),
         ] {
             match o.validate(1000) {

@@ -33,15 +33,39 @@ const FORCED: [(&str, &str); 2] = [
 ];
 
 /// Producer properties copied from the consumer configuration when no producer configuration is
-/// given: the connection and security settings.
-const SHARED_PREFIXES: [&str; 6] = [
+/// given (those named so, or starting so): the connection and security settings. A dead-letter
+/// producer that connected otherwise than the consumer (without its
+/// `enable.ssl.certificate.verification=false`, say) would fail every write, and its partitions
+/// would stall on their first dead letter.
+const SHARED_PREFIXES: [&str; 15] = [
     "bootstrap.servers",
     "metadata.broker.list",
     "security.protocol",
     "ssl.",
     "sasl.",
+    "enable.ssl.",
+    "enable.sasl.",
+    "https.",
     "client.dns.lookup",
+    "client.id",
+    "socket.",
+    "broker.address.",
+    "connections.max.idle.ms",
+    "api.version.",
+    "broker.version.fallback",
 ];
+
+/// The dead-letter producer's configuration made of the consumer's: its properties named in (or
+/// starting with one of) [`SHARED_PREFIXES`].
+fn shared_producer_config(consumer: &ClientConfig) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    for (k, v) in consumer.config_map() {
+        if SHARED_PREFIXES.iter().any(|p| k.starts_with(p)) {
+            config.set(k, v);
+        }
+    }
+    config
+}
 
 /// Runs a handler over Kafka topics through an [`Executor`], committing offsets only for
 /// resolved records. See the [crate docs](crate) for the exact semantics.
@@ -244,8 +268,12 @@ where
     }
 
     /// The configuration of the dead-letter producer. By default it is made of the consumer
-    /// configuration's connection and security properties (`bootstrap.servers`,
-    /// `security.protocol`, `ssl.*`, `sasl.*`, ...). Unless it sets `message.max.bytes`, that
+    /// configuration's connection and security properties: `bootstrap.servers`,
+    /// `metadata.broker.list`, `security.protocol`, `ssl.*`, `sasl.*`, `enable.ssl.*` (such as
+    /// `enable.ssl.certificate.verification`), `enable.sasl.*`, `https.*`, `client.dns.lookup`,
+    /// `client.id`, `socket.*`, `broker.address.*`, `connections.max.idle.ms`, `api.version.*`
+    /// and `broker.version.fallback`. Give a configuration here when the producer needs anything
+    /// else (it then takes nothing from the consumer's). Unless it sets `message.max.bytes`, that
     /// is raised to librdkafka's maximum (1,000,000,000), so that the broker's limit for the
     /// dead-letter topic decides: librdkafka's default (1,000,000 bytes, headers included)
     /// would refuse every time a record the source topic took, and stall its partition.
@@ -289,15 +317,9 @@ where
                 _ => {}
             }
         }
-        let producer_config = self.producer_config.unwrap_or_else(|| {
-            let mut config = ClientConfig::new();
-            for (k, v) in self.consumer_config.config_map() {
-                if SHARED_PREFIXES.iter().any(|p| k.starts_with(p)) {
-                    config.set(k, v);
-                }
-            }
-            config
-        });
+        let producer_config = self
+            .producer_config
+            .unwrap_or_else(|| shared_producer_config(&self.consumer_config));
         let dead_letter = DeadLetterProducer::new(
             &producer_config,
             self.options.dead_letter_topic.clone(),
@@ -337,6 +359,7 @@ where
     fn spawn(&self, topic: &str, partition: i32) -> Slot {
         let flow = Arc::new(Mutex::new(Flow::new(
             self.common.options.max_buffered_per_partition,
+            self.common.options.max_buffered_bytes_per_partition,
         )));
         let (records_tx, records_rx) = mpsc::unbounded_channel::<KafkaMessage>();
         let (exited_tx, exited_rx) = std::sync::mpsc::channel();
@@ -433,5 +456,55 @@ fn poll_loop(
     match fatal {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_dead_letter_producer_connects_as_the_consumer_does() {
+        let mut consumer = ClientConfig::new();
+        let shared = [
+            ("bootstrap.servers", "kafka:9093"),
+            ("security.protocol", "SASL_SSL"),
+            ("ssl.ca.location", "/etc/ca.pem"),
+            ("ssl.endpoint.identification.algorithm", "none"),
+            ("enable.ssl.certificate.verification", "false"),
+            ("sasl.mechanism", "PLAIN"),
+            ("sasl.username", "payments"),
+            ("enable.sasl.oauthbearer.unsecure.jwt", "true"),
+            ("client.id", "payments-consumer"),
+            ("client.dns.lookup", "use_all_dns_ips"),
+            ("socket.timeout.ms", "30000"),
+            ("socket.keepalive.enable", "true"),
+            ("broker.address.family", "v4"),
+            ("api.version.request", "true"),
+        ];
+        for (k, v) in shared {
+            consumer.set(k, v);
+        }
+        for (k, v) in [
+            ("group.id", "payments"),
+            ("auto.offset.reset", "earliest"),
+            ("session.timeout.ms", "2000"),
+            ("enable.auto.commit", "false"),
+        ] {
+            consumer.set(k, v);
+        }
+        let producer = shared_producer_config(&consumer);
+        let mut got: Vec<(&str, &str)> = producer
+            .config_map()
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        got.sort_unstable();
+        let mut want = shared.to_vec();
+        want.sort_unstable();
+        assert_eq!(
+            got, want,
+            "the connection and security properties, and nothing else"
+        );
     }
 }

@@ -4,6 +4,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::marker::PhantomData;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
@@ -12,7 +13,7 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use futures::future::MaybeDone;
 
-use idem_executor::{BrokerAction, Codec, Handler, Outcome, Plain, Recorder};
+use idem_executor::{BrokerAction, Codec, ExecutorError, Handler, Outcome, Plain, Recorder};
 use rdkafka::message::Headers as _;
 use rdkafka::types::RDKafkaErrorCode;
 use serde::Serialize;
@@ -121,13 +122,13 @@ where
                     return;
                 }
                 let first = match queue.carry.take() {
-                    Some(msg) => msg,
+                    Some(entry) => entry,
                     None => tokio::select! {
                         biased;
                         () = self.revoke.cancelled() => return,
                         () = self.common.drain.cancelled() => return,
                         msg = queue.records.recv() => match msg {
-                            Some(msg) => msg,
+                            Some(msg) => self.entry(msg),
                             None => return,
                         },
                     },
@@ -144,8 +145,7 @@ where
                     RunnerStats::bump(&self.common.stats.abandoned);
                     return;
                 };
-                let (batch, keys) =
-                    queue.gather(|msg| self.common.execution.key_id(msg), first, &[]);
+                let (batch, keys) = queue.gather(|msg| self.verdict(msg), first, &[]);
                 later.push_back(self.start(batch, keys, permit));
             }
             let Some(mut head) = later.pop_front() else {
@@ -158,7 +158,7 @@ where
                 && !self.revoke.is_cancelled()
                 && !self.common.drain.is_cancelled()
             {
-                let Some(first) = queue.next_waiting() else {
+                let Some(first) = queue.next_waiting(|msg| self.verdict(msg)) else {
                     break;
                 };
                 let Some((batch, keys, permit)) = self.later(&mut queue, first, &head_keys, &later)
@@ -174,10 +174,10 @@ where
                 };
                 let span = tracing::debug_span!(
                     "idem_kafka_batch",
-                    topic = batch[0].topic(),
-                    partition = batch[0].partition(),
-                    offset = batch[0].offset(),
-                    records = batch.len()
+                    topic = batch.msgs[0].topic(),
+                    partition = batch.msgs[0].partition(),
+                    offset = batch.msgs[0].offset(),
+                    records = batch.msgs.len()
                 );
                 self.process(&batch, steps).instrument(span).await
             });
@@ -198,7 +198,8 @@ where
                     Event::Processed(next) => break next,
                     Event::LaterDone => later_done = true,
                     Event::Record(None) => queue.open = false,
-                    Event::Record(Some(first)) => {
+                    Event::Record(Some(msg)) => {
+                        let first = self.entry(msg);
                         if let Some((batch, keys, permit)) =
                             self.later(&mut queue, first, &head_keys, &later)
                         {
@@ -237,18 +238,14 @@ where
     fn later(
         &self,
         queue: &mut Queue,
-        first: KafkaMessage,
+        first: Entry,
         head: &HashSet<String>,
         later: &VecDeque<Started<impl Future>>,
-    ) -> Option<(Vec<KafkaMessage>, HashSet<String>, OwnedSemaphorePermit)> {
+    ) -> Option<(Batch, HashSet<String>, OwnedSemaphorePermit)> {
         let held: Vec<&HashSet<String>> = std::iter::once(head)
             .chain(later.iter().map(|s| &s.keys))
             .collect();
-        let key = |msg: &KafkaMessage| self.common.execution.key_id(msg);
-        if self.revoke.is_cancelled()
-            || self.common.drain.is_cancelled()
-            || is_held(key, &first, &held)
-        {
+        if self.revoke.is_cancelled() || self.common.drain.is_cancelled() || first.is_held(&held) {
             queue.carry = Some(first);
             return None;
         }
@@ -256,14 +253,43 @@ where
             queue.carry = Some(first);
             return None;
         };
-        let (batch, keys) = queue.gather(key, first, &held);
+        let (batch, keys) = queue.gather(|msg| self.verdict(msg), first, &held);
         Some((batch, keys, permit))
+    }
+
+    /// The record as the worker takes it: with its [`Verdict`].
+    fn entry(&self, msg: KafkaMessage) -> Entry {
+        let key = self.verdict(&msg);
+        Entry { msg, key }
+    }
+
+    /// Reads the record's key id, once, before the record goes into a batch; an error when
+    /// the record cannot be handed to the executor: its headers are refused
+    /// ([`KafkaMessage::invalid_headers`]), or the key source panicked (a
+    /// [`KeySource::from_fn`](idem_executor::KeySource::from_fn) closure: the executor calls it
+    /// outside the handler's guard, and the panic would kill the worker, then the runner, on
+    /// this record after every restart).
+    fn verdict(&self, msg: &KafkaMessage) -> Verdict {
+        if let Some(reason) = msg.invalid_headers() {
+            return Err(format!("headers not read: {reason}"));
+        }
+        catch_unwind(AssertUnwindSafe(|| self.common.execution.key_id(msg))).map_err(|panic| {
+            let panic = panic_text(panic.as_ref());
+            tracing::error!(
+                topic = msg.topic(),
+                partition = msg.partition(),
+                offset = msg.offset(),
+                %panic,
+                "the key source panicked on the record: it is dead-lettered as invalid_message"
+            );
+            format!("the key source panicked: {panic}")
+        })
     }
 
     /// Starts the first try of `batch`, on `permit`.
     fn start(
         &self,
-        batch: Vec<KafkaMessage>,
+        batch: Batch,
         keys: HashSet<String>,
         permit: OwnedSemaphorePermit,
     ) -> Started<impl Future<Output = FirstTry<T>> + use<H, T, C, R>> {
@@ -301,30 +327,37 @@ where
 
     /// Processes a batch of records (in offset order) until every one is resolved or the worker
     /// must stop. Records are resolved in order: the first one that is not (busy key, retryable
-    /// failure, store error) is tried again after a pause together with the records after it
-    /// (those that completed meanwhile are then replayed from the store), up to the first one
-    /// whose own retry is not due yet: a record whose attempt failed is tried again after its
-    /// own delay, never at the pace of a busy key before it (which would spend its attempts in
-    /// milliseconds).
+    /// failure, store error) is tried again after a pause together with the unresolved records
+    /// after it, up to the first one whose own retry is not due yet: a record whose attempt
+    /// failed is tried again after its own delay, never at the pace of a busy key before it
+    /// (which would spend its attempts in milliseconds). A record that reached a final outcome
+    /// in a try (executed, replayed, passed through, or to be dead-lettered) keeps it until its
+    /// turn comes and is never handed to the executor again: a record passed through (no key,
+    /// or the store failing under `FailOpen`) has no store entry to replay, and would run its
+    /// handler again.
     ///
     /// `first` holds the steps of the batch's first try.
-    async fn process(&self, batch: &[KafkaMessage], first: Vec<Step<T>>) -> Next {
+    async fn process(&self, batch: &Batch, first: Vec<Step<T>>) -> Next {
         let common = &self.common;
+        let Batch { msgs: batch, keys } = batch;
         let mut first = Some(first);
         let mut start = 0;
         // Backoff on a busy key, for the record at `start`.
         let mut busy = BusyWait::default();
-        // Records whose handler ran and completed here, possibly in a try of the batch that left
-        // them unresolved (behind an unresolved record): counted as executed when resolved.
-        let mut executed = vec![false; batch.len()];
+        // The outcome of each record after `start` that a try gave it: kept when final (acked or
+        // to be dead-lettered) until the record is resolved in its turn; the others are dropped
+        // after each try, and the record is tried again.
+        let mut steps: Vec<Option<Step<T>>> =
+            std::iter::repeat_with(|| None).take(batch.len()).collect();
         // When each record whose attempt did not resolve it (a retryable failure, a lost lease,
         // a store error) may be tried again; none for the others (a busy key's wait is the
         // record's at the head, `busy`).
         let mut due: Vec<Option<Instant>> = vec![None; batch.len()];
-        // The records the next try covers: from `start` to `end`.
+        // The records the next try covers: the unresolved ones from `start` to `end`.
         let mut end = batch.len();
         loop {
-            let steps = match first.take() {
+            let tried: Vec<usize> = (start..end).filter(|&i| steps[i].is_none()).collect();
+            let new = match first.take() {
                 Some(steps) => steps,
                 None => {
                     let permit = tokio::select! {
@@ -336,49 +369,45 @@ where
                             Err(_) => return Next::Abandoned,
                         },
                     };
-                    let steps = common
+                    let msgs: Vec<KafkaMessage> = tried.iter().map(|&i| batch[i].clone()).collect();
+                    let new = common
                         .execution
-                        .try_batch(&batch[start..end], &self.revoke, self.timeouts())
+                        .try_batch(&msgs, &self.revoke, self.timeouts())
                         .await;
                     drop(permit);
-                    steps
+                    new
                 }
             };
             let revoked = self.revoke.is_cancelled();
-            self.count_released(&steps);
+            self.count_released(&new);
             let now = Instant::now();
-            for (at, step) in steps.iter().enumerate() {
-                let Step::Done { result, .. } = step else {
-                    continue;
-                };
-                if let Ok(Outcome::Executed(_)) = result {
-                    executed[start + at] = true;
+            for (&at, step) in tried.iter().zip(new) {
+                if let Step::Done { result, .. } = &step {
+                    due[at] = match (BrokerAction::of(result), result) {
+                        (BrokerAction::Ack | BrokerAction::DeadLetter { .. }, _)
+                        | (_, Ok(Outcome::InProgress { .. })) => None,
+                        (BrokerAction::Retry { after }, _) => {
+                            Some(now + common.options.retry_delay(after))
+                        }
+                        _ => Some(now + common.options.min_retry_delay),
+                    };
                 }
-                due[start + at] = match (BrokerAction::of(result), result) {
-                    (BrokerAction::Ack | BrokerAction::DeadLetter { .. }, _)
-                    | (_, Ok(Outcome::InProgress { .. })) => None,
-                    (BrokerAction::Retry { after }, _) => {
-                        Some(now + common.options.retry_delay(after))
-                    }
-                    _ => Some(now + common.options.min_retry_delay),
-                };
+                steps[at] = Some(step);
             }
             let mut delay = None;
-            for step in steps {
+            // Resolves the records in order, from `start`, while their outcomes are final.
+            while let Some(step) = steps.get_mut(start).and_then(Option::take) {
                 // Only a revocation abandons a record (its lease released, or the whole batch
                 // dropped past the revoke timeout): the records before it are resolved.
                 let Step::Done { result, attempt } = step else {
                     return Next::Abandoned;
                 };
                 let msg = &batch[start];
+                let key = keys[start].as_ref().ok().and_then(Option::as_deref);
                 match BrokerAction::of(&result) {
                     BrokerAction::Ack => {
                         match &result {
-                            // A replay of what this worker executed in an earlier try of the
-                            // batch is counted as the execution it is.
-                            Ok(Outcome::Executed(_)) | Ok(Outcome::Replayed(_))
-                                if executed[start] =>
-                            {
+                            Ok(Outcome::Executed(_)) => {
                                 RunnerStats::count(&common.stats.executed, m::EXECUTED);
                             }
                             Ok(Outcome::Replayed(_)) => {
@@ -402,7 +431,7 @@ where
                         // The outcome is final: only the dead-letter write is tried again, never
                         // the executor call (which, for an un-deduplicated record, would run the
                         // handler again).
-                        match self.dead_letter_until_written(msg, &info).await {
+                        match self.dead_letter_until_written(msg, key, &info).await {
                             Next::Continue => start += 1,
                             other => return other,
                         }
@@ -426,6 +455,13 @@ where
                         delay = Some(wait_until(due[start], now));
                         break;
                     }
+                }
+            }
+            // The records after the first unresolved one that are not final either are tried
+            // again (a later try's outcome replaces theirs).
+            for step in &mut steps[start..] {
+                if step.as_ref().is_some_and(|step| !is_final(step)) {
+                    *step = None;
                 }
             }
             let delay = match delay {
@@ -452,11 +488,16 @@ where
 
     /// Writes the record to the dead-letter topic until the write succeeds, pausing the partition
     /// between tries; stops (abandoning the record) on revocation or shutdown.
-    async fn dead_letter_until_written(&self, msg: &KafkaMessage, info: &DeadLetterInfo) -> Next {
+    async fn dead_letter_until_written(
+        &self,
+        msg: &KafkaMessage,
+        key_id: Option<&str>,
+        info: &DeadLetterInfo,
+    ) -> Next {
         // Kept between tries: a form refused as too large is not tried again.
         let mut fit = Fit::first(msg.headers().is_some_and(|h| h.count() > 0));
         loop {
-            match self.dead_letter(msg, info, &mut fit).await {
+            match self.dead_letter(msg, key_id, info, &mut fit).await {
                 Ok(()) => return Next::Continue,
                 Err(()) if self.revoke.is_cancelled() => return Next::Abandoned,
                 Err(()) => {}
@@ -493,25 +534,23 @@ where
         slept
     }
 
-    /// Writes the record to the dead-letter topic, in the form `fit` and smaller ones while it is
-    /// refused as too large (`fit` is left at the last form tried); on success it is resolved.
+    /// Writes the record (whose key id is `key_id`) to the dead-letter topic, in the form `fit`
+    /// and smaller ones while it is refused as too large (`fit` is left at the last form tried);
+    /// on success it is resolved.
     async fn dead_letter(
         &self,
         msg: &KafkaMessage,
+        key_id: Option<&str>,
         info: &DeadLetterInfo,
         fit: &mut Fit,
     ) -> Result<(), ()> {
         let common = &self.common;
-        let key_id = common.execution.key_id(msg);
-        let attempts = common
-            .execution
-            .dead_letter_attempts(info, key_id.as_deref())
-            .await;
+        let attempts = common.execution.dead_letter_attempts(info, key_id).await;
         // Smaller each time the record is refused as too large (by the producer's own
         // `message.max.bytes` or the broker's).
         let send = async {
             loop {
-                let headers = dead_letter::headers(msg, info, attempts, key_id.as_deref(), *fit);
+                let headers = dead_letter::headers(msg, info, attempts, key_id, *fit);
                 let sent = common.dead_letter.send(msg, headers).await;
                 match (fit.smaller(), &sent) {
                     (Some(smaller), Err(e))
@@ -542,7 +581,7 @@ where
                     reason = info.reason.as_str(),
                     error = %broker::header_text(&info.error),
                     attempts = ?attempts,
-                    key = key_id.as_deref().map(broker::header_text).as_deref(),
+                    key = key_id.map(broker::header_text).as_deref(),
                     dead_letter_topic = %topic,
                     "record dead-lettered"
                 );
@@ -557,8 +596,32 @@ where
     }
 
     fn resolved(&self, msg: &KafkaMessage) {
-        lock(&self.flow).resolved(msg.offset());
+        lock(&self.flow).resolved(msg.offset(), msg.size());
     }
+}
+
+/// What the worker read from a record before handing it to the executor
+/// ([`Worker::verdict`]): its key id (`None` when it has none), or why it cannot be handed to
+/// the executor; such a record is dead-lettered as `invalid_message` in its turn.
+type Verdict = Result<Option<String>, String>;
+
+/// A record taken from the partition's channel, with its [`Verdict`].
+struct Entry {
+    msg: KafkaMessage,
+    key: Verdict,
+}
+
+impl Entry {
+    /// Whether one of the `held` key sets holds its key.
+    fn is_held(&self, held: &[&HashSet<String>]) -> bool {
+        matches!(&self.key, Ok(Some(k)) if held.iter().any(|keys| keys.contains(k)))
+    }
+}
+
+/// A batch of a partition's records, in offset order, with the [`Verdict`] of each.
+pub(crate) struct Batch {
+    msgs: Vec<KafkaMessage>,
+    keys: Vec<Verdict>,
 }
 
 /// The partition's records not in a batch yet.
@@ -568,56 +631,63 @@ struct Queue {
     open: bool,
     /// A record taken from the channel that could not start a batch yet (its key is held by a
     /// batch in process, or no slot was free): it starts the next one.
-    carry: Option<KafkaMessage>,
+    carry: Option<Entry>,
     max_batch: usize,
 }
 
 impl Queue {
-    /// The record to start the next batch with, when one waits already.
-    fn next_waiting(&mut self) -> Option<KafkaMessage> {
-        self.carry.take().or_else(|| self.records.try_recv().ok())
+    /// The record to start the next batch with, when one waits already (`verdict` reads it).
+    fn next_waiting(&mut self, verdict: impl Fn(&KafkaMessage) -> Verdict) -> Option<Entry> {
+        self.carry.take().or_else(|| {
+            let msg = self.records.try_recv().ok()?;
+            let key = verdict(&msg);
+            Some(Entry { msg, key })
+        })
     }
 
-    /// The batch that starts with `first`: the records waiting after it, up to `max_batch`,
-    /// ending before the first one whose key a batch in process holds (`held`) or an earlier
-    /// record of this batch has (that record is kept for the next batch), and the keys of its
-    /// records. So a key has one record per batch: a later one runs once the batch of the
-    /// earlier one is resolved, as in the strict mode, and not right after an attempt that
-    /// failed (which would spend the next attempt at once, the retry delay skipped).
+    /// The batch that starts with `first`: the records waiting after it (`verdict` reads
+    /// each), up to `max_batch`, ending before the first one whose key a batch in process holds
+    /// (`held`) or an earlier record of this batch has (that record is kept for the next
+    /// batch), and the keys of its records. So a key has one record per batch: a later one runs
+    /// once the batch of the earlier one is resolved, as in the strict mode, and not right after
+    /// an attempt that failed (which would spend the next attempt at once, the retry delay
+    /// skipped).
     fn gather(
         &mut self,
-        key: impl Fn(&KafkaMessage) -> Option<String>,
-        first: KafkaMessage,
+        verdict: impl Fn(&KafkaMessage) -> Verdict,
+        first: Entry,
         held: &[&HashSet<String>],
-    ) -> (Vec<KafkaMessage>, HashSet<String>) {
+    ) -> (Batch, HashSet<String>) {
         let mut keys = HashSet::new();
-        let mut batch = Vec::with_capacity(self.max_batch);
-        keys.extend(key(&first));
-        batch.push(first);
-        while batch.len() < self.max_batch {
+        let mut batch = Batch {
+            msgs: Vec::with_capacity(self.max_batch),
+            keys: Vec::with_capacity(self.max_batch),
+        };
+        let mut next = Some(first);
+        while let Some(entry) = next.take() {
+            if let Ok(Some(k)) = &entry.key {
+                keys.insert(k.clone());
+            }
+            batch.msgs.push(entry.msg);
+            batch.keys.push(entry.key);
+            if batch.msgs.len() >= self.max_batch {
+                break;
+            }
             let Ok(msg) = self.records.try_recv() else {
                 break;
             };
-            if let Some(k) = key(&msg) {
-                if keys.contains(&k) || held.iter().any(|h| h.contains(&k)) {
-                    self.carry = Some(msg);
-                    break;
-                }
-                keys.insert(k);
+            let entry = Entry {
+                key: verdict(&msg),
+                msg,
+            };
+            if entry.is_held(&[&keys]) || entry.is_held(held) {
+                self.carry = Some(entry);
+                break;
             }
-            batch.push(msg);
+            next = Some(entry);
         }
         (batch, keys)
     }
-}
-
-/// Whether one of the `held` key sets holds the key of `msg`.
-fn is_held(
-    key: impl Fn(&KafkaMessage) -> Option<String>,
-    msg: &KafkaMessage,
-    held: &[&HashSet<String>],
-) -> bool {
-    !held.is_empty() && key(msg).is_some_and(|k| held.iter().any(|keys| keys.contains(&k)))
 }
 
 /// What wakes the worker while a batch is processed.
@@ -631,7 +701,7 @@ enum Event {
 }
 
 /// What a batch's first try gives: the batch and its steps.
-type FirstTry<T> = (Vec<KafkaMessage>, Vec<Step<T>>);
+type FirstTry<T> = (Batch, Vec<Step<T>>);
 
 /// A batch of the partition whose first try is under way (or done), waiting to be processed.
 pub(crate) struct Started<F: Future> {
@@ -644,7 +714,7 @@ pub(crate) struct Started<F: Future> {
 /// A batch's first try, holding `permit` (its slot) until it ends.
 async fn first_try<H, T, C, R>(
     execution: Execution<H, C, R>,
-    batch: Vec<KafkaMessage>,
+    batch: Batch,
     permit: OwnedSemaphorePermit,
     revoke: CancellationToken,
     timeouts: LostTimeouts,
@@ -656,9 +726,47 @@ where
     C: Codec,
     R: Recorder,
 {
-    let steps = execution.try_batch(&batch, &revoke, timeouts).await;
+    // A record that cannot be handed to the executor gets its final outcome here: dead-lettered
+    // as `invalid_message`, in its turn.
+    let valid: Vec<KafkaMessage> = batch
+        .msgs
+        .iter()
+        .zip(&batch.keys)
+        .filter(|(_, key)| key.is_ok())
+        .map(|(msg, _)| msg.clone())
+        .collect();
+    let mut tried = if valid.is_empty() {
+        Vec::new()
+    } else {
+        execution.try_batch(&valid, &revoke, timeouts).await
+    }
+    .into_iter();
     drop(permit);
+    let steps = batch
+        .keys
+        .iter()
+        .map(|key| match key {
+            Ok(_) => tried.next().unwrap_or(Step::Abandoned {
+                lease_released: false,
+            }),
+            Err(reason) => Step::Done {
+                result: Err(ExecutorError::InvalidMessage {
+                    reason: reason.clone(),
+                }),
+                attempt: 0,
+            },
+        })
+        .collect();
     (batch, steps)
+}
+
+/// The text of a panic's payload.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 /// Polls every batch's first try; ready when all are done.
@@ -709,6 +817,18 @@ impl BusyWait {
             .unwrap_or(options.max_retry_delay);
         next.min(retry_after + Duration::from_millis(1))
             .clamp(options.min_retry_delay, options.max_retry_delay)
+    }
+}
+
+/// Whether a try's `step` is the record's final outcome: acknowledged (executed, replayed, or
+/// run without deduplication) or to be dead-lettered. Such a record is never tried again.
+fn is_final<T>(step: &Step<T>) -> bool {
+    match step {
+        Step::Done { result, .. } => matches!(
+            BrokerAction::of(result),
+            BrokerAction::Ack | BrokerAction::DeadLetter { .. }
+        ),
+        Step::Abandoned { .. } => false,
     }
 }
 

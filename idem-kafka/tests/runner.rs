@@ -559,11 +559,15 @@ async fn a_dead_worker_stops_the_runner_instead_of_stalling_its_partition() {
     let recs = vec![Rec::keyed(0, "fine", "{}"), Rec::keyed(0, "boom", "{}")];
     produce(&topic, &recs).await;
     let store = shared(redis_store(&unique("idem-kafka-test")).await);
-    // A key source that panics outside the handler (the executor catches handler panics only):
-    // the partition's worker task dies.
-    let source = KeySource::from_fn(|m| {
+    // A key source that panics inside the executor's call (which catches handler panics only),
+    // not when the runner reads the key first (that panic dead-letters the record): the
+    // partition's worker task dies.
+    let calls = Arc::new(AtomicU32::new(0));
+    let source = KeySource::from_fn(move |m| {
         let key = std::str::from_utf8(m.message_key()?).ok()?.to_owned();
-        assert_ne!(key, "boom", "key source panics on purpose");
+        if key == "boom" && calls.fetch_add(1, Ordering::SeqCst) > 0 {
+            panic!("key source panics on purpose");
+        }
         Some(key)
     });
     let handler = |_msg: KafkaMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
@@ -1607,5 +1611,465 @@ async fn a_dead_letter_still_too_large_goes_with_its_texts_cut_short() {
         cut.len() <= idem_kafka::COMPACT_TEXT && cut.starts_with("kkk") && cut.ends_with('…'),
         "the key cut short: {} bytes",
         cut.len()
+    );
+}
+
+/// A record that reached its final outcome in a try of its batch keeps it: the tries of the
+/// batch after it (behind a record whose key another consumer holds) never hand it to the
+/// executor again. Before, each retry of the busy key ran again the keyless (pass-through)
+/// records behind it, which have no store entry to replay: here seven runs of each keyless
+/// transfer for one delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_resolved_behind_a_busy_key_are_not_run_again_by_its_retries() {
+    if !kafka_only() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("settled");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
+    // `slow`: a record whose handler takes a second, so that (one slot) the next batch holds
+    // all the others; `busy`: its key held by another consumer for two seconds; then three
+    // keyless transfers (passed through, not deduplicated).
+    let mut recs = vec![Rec::keyed(0, "slow", "{}"), Rec::keyed(0, "busy", "{}")];
+    for i in 0..3 {
+        recs.push(Rec {
+            partition: 0,
+            key: None,
+            value: format!("keyless-transfer-{i}"),
+            headers: vec![],
+        });
+    }
+    let ends = ends(&produce(&topic, &recs).await);
+    let store = shared(MemoryStore::new());
+    let namespace = idem_core::Namespace::new("settled").unwrap();
+    let held = match store
+        .acquire(
+            &idem_core::AcquireRequest::new(namespace.key("busy").unwrap(), "someone-else")
+                .with_lease_ttl(Duration::from_secs(60)),
+        )
+        .await
+        .unwrap()
+    {
+        idem_core::AcquireOutcome::Acquired { lease, .. } => lease,
+        other => panic!("{other:?}"),
+    };
+    let runs = Arc::new(std::sync::Mutex::new(
+        std::collections::BTreeMap::<i64, u32>::new(),
+    ));
+    let r = Arc::clone(&runs);
+    let handler = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let r = Arc::clone(&r);
+        async move {
+            *r.lock().unwrap().entry(msg.offset()).or_default() += 1;
+            if msg.key() == Some(b"slow".as_slice()) {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Ok::<_, HandlerError>(())
+        }
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(
+            store.clone(),
+            ExecutorConfig::new("settled")
+                .with_missing_key(idem_executor::MissingKeyPolicy::PassThrough),
+        ),
+        handler,
+    )
+    .topic(&topic)
+    .options(
+        fast_options()
+            .with_max_in_flight(1)
+            .with_retry_delays(Duration::from_millis(5), Duration::from_secs(5)),
+    )
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    store.release(&held).await.unwrap();
+    resolved_at_least(&stats, 5, Duration::from_secs(30)).await;
+    stop(running).await;
+
+    assert!(
+        stats.retries() >= 3,
+        "the busy key was tried again meanwhile: {stats:?}"
+    );
+    let runs = runs.lock().unwrap().clone();
+    let expected: std::collections::BTreeMap<i64, u32> = (0..5).map(|o| (o, 1)).collect();
+    assert_eq!(
+        runs, expected,
+        "each record's handler ran once (per offset): {stats:?}"
+    );
+    assert_eq!(
+        (stats.executed(), stats.replayed(), stats.acked_other()),
+        (2, 0, 3),
+        "{stats:?}"
+    );
+    assert_eq!(committed(&group, &topic, 1), ends);
+}
+
+/// The same for a record run under `StoreErrorPolicy::FailOpen` (the store down, the handler
+/// run without it) behind a record whose attempt failed: when the store is back, the retry of
+/// the failed record does not acquire the other one fresh and run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_run_fail_open_behind_a_failed_one_is_not_run_again_by_its_retry() {
+    if !kafka_only() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("settled-open");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    // `slow` fills the one slot for a second, so that `flaky` and `transfer` share a batch.
+    let recs = vec![
+        Rec::keyed(0, "slow", "{}"),
+        Rec::keyed(0, "flaky", "{}"),
+        Rec::keyed(0, "transfer", "{}"),
+    ];
+    let ends = ends(&produce(&topic, &recs).await);
+    let memory = MemoryStore::new();
+    memory.set_available(false);
+    let runs = Arc::new(std::sync::Mutex::new(
+        std::collections::BTreeMap::<i64, u32>::new(),
+    ));
+    let r = Arc::clone(&runs);
+    let handler = move |msg: KafkaMessage, _ctx: HandlerContext| {
+        let r = Arc::clone(&r);
+        async move {
+            let run = {
+                let mut runs = r.lock().unwrap();
+                let run = runs.entry(msg.offset()).or_default();
+                *run += 1;
+                *run
+            };
+            match msg.key() {
+                Some(b"slow") => tokio::time::sleep(Duration::from_secs(1)).await,
+                Some(b"flaky") if run == 1 => {
+                    return Err(HandlerError::retryable("downstream briefly down"));
+                }
+                _ => {}
+            }
+            Ok::<_, HandlerError>(())
+        }
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(
+            shared(memory.clone()),
+            ExecutorConfig::new("settled-open")
+                .with_store_errors(idem_executor::StoreErrorPolicy::FailOpen)
+                .with_retry_delay(Duration::from_secs(1)),
+        ),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options().with_max_in_flight(1))
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    // The store comes back once `transfer` ran without it, before `flaky` is tried again.
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            let runs = Arc::clone(&runs);
+            async move { runs.lock().unwrap().contains_key(&2) }
+        })
+        .await
+    );
+    memory.set_available(true);
+    resolved_at_least(&stats, 3, Duration::from_secs(30)).await;
+    stop(running).await;
+
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(
+        runs,
+        [(0, 1), (1, 2), (2, 1)].into_iter().collect(),
+        "`flaky` ran twice (a failure, then its retry), the others once: {stats:?}"
+    );
+    assert_eq!(committed(&group, &topic, 1), ends);
+}
+
+/// A key source closure that panics on a record dead-letters it as `invalid_message` and the
+/// partition goes on. Before, the panic (outside the handler's guard) killed the partition's
+/// worker and stopped the runner with `WorkerDied`, on the same record after every restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_source_that_panics_dead_letters_the_record_and_the_partition_goes_on() {
+    use idem_kafka::rdkafka::message::Message as _;
+    if !kafka_only() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("key-panic");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
+    let recs = vec![
+        Rec::keyed(0, "fine", "{}"),
+        Rec::keyed(0, "boom", "{}"),
+        Rec::keyed(0, "after", "{}"),
+    ];
+    let ends = ends(&produce(&topic, &recs).await);
+    let source = KeySource::from_fn(|m| {
+        let key = std::str::from_utf8(m.message_key()?).ok()?.to_owned();
+        assert_ne!(key, "boom", "key source panics on purpose");
+        Some(key)
+    });
+    let runs = Arc::new(AtomicU32::new(0));
+    let r = Arc::clone(&runs);
+    let handler = move |_msg: KafkaMessage, _ctx: HandlerContext| {
+        let r = Arc::clone(&r);
+        async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, HandlerError>(())
+        }
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(
+            shared(MemoryStore::new()),
+            ExecutorConfig::new("key-panic").with_key_source(source),
+        ),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, 3, Duration::from_secs(30)).await;
+    stop(running).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "{stats:?}");
+    assert_eq!(
+        (stats.executed(), stats.dead_lettered()),
+        (2, 1),
+        "{stats:?}"
+    );
+    assert_eq!(committed(&group, &topic, 1), ends);
+    let dlq = read_topic(&format!("{topic}.dlq"), 1, Duration::from_secs(20)).await;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].key(), Some(&b"boom"[..]));
+    assert_eq!(
+        header(&dlq[0], idem_kafka::HEADER_REASON).as_deref(),
+        Some("invalid_message")
+    );
+    let error = header(&dlq[0], idem_kafka::HEADER_ERROR).unwrap_or_default();
+    assert!(
+        error.contains("the key source panicked") && error.contains("on purpose"),
+        "{error}"
+    );
+}
+
+/// The names of a record's headers are read within bounds: past `MAX_HEADERS` headers none is
+/// read, and past `MAX_UNREADABLE_HEADER_NAMES` names that are not UTF-8 the reading stops (each
+/// costs a panic); such headers are refused (nothing found in them). Before, every name was read
+/// with a panic per name that is not UTF-8, and each lookup passed over them with a linear
+/// search: a 1 MB record of one-byte names held the poll thread for minutes.
+#[test]
+fn headers_past_the_bounds_are_refused_without_reading_them_all() {
+    use idem_kafka::rdkafka::Timestamp;
+    use idem_kafka::rdkafka::message::{OwnedHeaders, OwnedMessage};
+    let record = |headers: OwnedHeaders| {
+        KafkaMessage::new(OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "payments".into(),
+            Timestamp::NotAvailable,
+            0,
+            5,
+            Some(headers),
+        ))
+    };
+    // At the bound: read.
+    let at_bound = record(many_headers(KafkaMessage::MAX_HEADERS - 1, "tx-1"));
+    assert_eq!(at_bound.invalid_headers(), None);
+    assert!(at_bound.headers_readable());
+    assert_eq!(at_bound.header("idempotency-key"), Some(&b"tx-1"[..]));
+    // One more header: refused.
+    let over = record(many_headers(KafkaMessage::MAX_HEADERS, "tx-1"));
+    let reason = over.invalid_headers().expect("refused");
+    assert!(reason.contains("10001 headers"), "{reason}");
+    assert!(!over.headers_readable());
+    assert_eq!(over.header("idempotency-key"), None);
+    // The hostile record: a megabyte of one-byte names that are not UTF-8 (two bytes here).
+    let hostile = record(headers_with_names_that_are_not_utf8(330_000, Some("tx-1")));
+    assert!(hostile.invalid_headers().is_some());
+    assert_eq!(hostile.header("idempotency-key"), None);
+    // Names that are not UTF-8: up to the bound passed over, past it refused.
+    let tolerated = record(headers_with_names_that_are_not_utf8(
+        KafkaMessage::MAX_UNREADABLE_HEADER_NAMES,
+        Some("tx-1"),
+    ));
+    assert_eq!(tolerated.invalid_headers(), None);
+    assert_eq!(tolerated.header("idempotency-key"), Some(&b"tx-1"[..]));
+    let refused = record(headers_with_names_that_are_not_utf8(
+        KafkaMessage::MAX_UNREADABLE_HEADER_NAMES + 1,
+        Some("tx-1"),
+    ));
+    let reason = refused.invalid_headers().expect("refused");
+    assert!(reason.contains("not UTF-8"), "{reason}");
+    assert_eq!(refused.header("idempotency-key"), None);
+    assert_eq!(
+        KeySource::default().extract(&refused).unwrap(),
+        None,
+        "no key is read from refused headers"
+    );
+}
+
+/// Records whose headers are refused (too many headers, too many names that are not UTF-8) are
+/// dead-lettered as `invalid_message` without running the handler, and the partition goes on.
+/// Before, the first was handled like any record and the second held the poll thread with a
+/// panic per name that is not UTF-8, then ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_with_refused_headers_are_dead_lettered_as_invalid_and_the_partition_goes_on() {
+    use idem_kafka::rdkafka::message::Message as _;
+    use idem_kafka::rdkafka::producer::FutureRecord;
+    if !kafka_only() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("many-headers");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    create_topic(&format!("{topic}.dlq"), 1).await;
+    let producer = producer();
+    for (key, headers) in [
+        ("many", many_headers(KafkaMessage::MAX_HEADERS, "many")),
+        (
+            "unreadable",
+            headers_with_names_that_are_not_utf8(
+                KafkaMessage::MAX_UNREADABLE_HEADER_NAMES + 1,
+                Some("unreadable"),
+            ),
+        ),
+    ] {
+        let record = FutureRecord::<str, str>::to(&topic)
+            .partition(0)
+            .key(key)
+            .payload("{}")
+            .headers(headers);
+        producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .expect("produced");
+    }
+    let ends = ends(&produce(&topic, &[Rec::keyed(0, "fine", "{}")]).await);
+    let runs = Arc::new(AtomicU32::new(0));
+    let r = Arc::clone(&runs);
+    let handler = move |_msg: KafkaMessage, _ctx: HandlerContext| {
+        let r = Arc::clone(&r);
+        async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, HandlerError>(())
+        }
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(
+            shared(MemoryStore::new()),
+            // Even when the key is the record key, which is readable.
+            ExecutorConfig::new("many-headers").with_key_source(KeySource::message_key()),
+        ),
+        handler,
+    )
+    .topic(&topic)
+    .options(fast_options())
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    resolved_at_least(&stats, 3, Duration::from_secs(60)).await;
+    stop(running).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "{stats:?}");
+    assert_eq!(
+        (stats.executed(), stats.dead_lettered()),
+        (1, 2),
+        "{stats:?}"
+    );
+    assert_eq!(committed(&group, &topic, 1), ends);
+    let dlq = read_topic(&format!("{topic}.dlq"), 2, Duration::from_secs(20)).await;
+    let mut got: Vec<(Vec<u8>, Option<String>)> = dlq
+        .iter()
+        .map(|d| {
+            (
+                d.key().unwrap_or_default().to_vec(),
+                header(d, idem_kafka::HEADER_REASON),
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            (b"many".to_vec(), Some("invalid_message".to_owned())),
+            (b"unreadable".to_vec(), Some("invalid_message".to_owned())),
+        ]
+    );
+}
+
+/// A partition is paused once the records the runner holds for it reach
+/// `max_buffered_bytes_per_partition` bytes, whatever their count: with a handler stuck on the
+/// first record, the runner takes in records of 100 KB up to the one that crosses 1 MiB, and no
+/// more. Before, only the count was bounded (100,000 records by default): every record of the
+/// topic was taken in (10 GB for a partition of 100 KB records).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_is_paused_at_the_byte_bound_of_its_buffer() {
+    if !kafka_only() {
+        return;
+    }
+    init_tracing();
+    let topic = unique("bytes");
+    let group = unique("g");
+    create_topic(&topic, 1).await;
+    const SIZE: usize = 100_000;
+    const BOUND: usize = 1024 * 1024;
+    let recs: Vec<Rec> = (0..30)
+        .map(|i| Rec::keyed(0, &format!("k{i}"), "x".repeat(SIZE)))
+        .collect();
+    produce(&topic, &recs).await;
+    let handler = |_msg: KafkaMessage, ctx: HandlerContext| async move {
+        ctx.cancellation_token().cancelled().await;
+        Err::<(), _>(HandlerError::retryable("stopped"))
+    };
+    let runner = KafkaRunner::builder(
+        consumer_config(&group),
+        executor(shared(MemoryStore::new()), ExecutorConfig::new("bytes")),
+        handler,
+    )
+    .topic(&topic)
+    .options(
+        fast_options()
+            .with_max_buffered_bytes_per_partition(BOUND)
+            .with_drain_timeout(Duration::from_millis(100))
+            .with_revoke_timeout(Duration::from_secs(2))
+            .with_release_timeout(Duration::from_secs(1)),
+    )
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let running = start(runner);
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            let s = Arc::clone(&stats);
+            async move { s.received() >= 5 }
+        })
+        .await
+    );
+    // Time to take in everything, were the partition not paused.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let received = stats.received() as usize;
+    stop(running).await;
+    // A record counts its key and value, and its one header (name, value, overhead).
+    let record = SIZE + "k10".len() + "idempotency-key".len() + "k10".len() + 48;
+    assert!(
+        received * record <= BOUND + record,
+        "{received} records of {record} bytes received, past the bound of {BOUND} by more than one: {stats:?}"
+    );
+    assert!(
+        (received + 1) * record > BOUND,
+        "paused before the bound: {stats:?}"
     );
 }

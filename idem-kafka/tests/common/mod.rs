@@ -372,24 +372,32 @@ pub fn header(m: &OwnedMessage, name: &str) -> Option<String> {
 /// Headers holding first a header whose name is not UTF-8, as any producer may send, then
 /// `idempotency-key: key` when `key` is given. rdkafka's safe API takes names as `&str`, so the
 /// first one is added through librdkafka itself.
-#[allow(unsafe_code)]
 pub fn headers_with_a_name_that_is_not_utf8(key: Option<&str>) -> OwnedHeaders {
+    headers_with_names_that_are_not_utf8(1, key)
+}
+
+/// Headers holding first `n` headers whose names (`\xff\xfe`) are not UTF-8, then
+/// `idempotency-key: key` when `key` is given (see [`headers_with_a_name_that_is_not_utf8`]).
+#[allow(unsafe_code)]
+pub fn headers_with_names_that_are_not_utf8(n: usize, key: Option<&str>) -> OwnedHeaders {
     use idem_kafka::rdkafka::bindings::{rd_kafka_header_add, rd_kafka_resp_err_t};
-    let headers = OwnedHeaders::new();
+    let headers = OwnedHeaders::new_with_capacity(n + 1);
     let (name, value) = (b"\xff\xfe", b"v");
-    // SAFETY: `as_borrowed` is rdkafka's view of this `rd_kafka_headers_t`, at its address
-    // (rdkafka casts it back to the native pointer the same way); librdkafka copies the name
-    // and the value, whose lengths are given.
-    let err = unsafe {
-        rd_kafka_header_add(
-            std::ptr::from_ref(headers.as_borrowed()).cast_mut().cast(),
-            name.as_ptr().cast(),
-            name.len().try_into().unwrap(),
-            value.as_ptr().cast(),
-            value.len().try_into().unwrap(),
-        )
-    };
-    assert_eq!(err, rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR);
+    for _ in 0..n {
+        // SAFETY: `as_borrowed` is rdkafka's view of this `rd_kafka_headers_t`, at its address
+        // (rdkafka casts it back to the native pointer the same way); librdkafka copies the
+        // name and the value, whose lengths are given.
+        let err = unsafe {
+            rd_kafka_header_add(
+                std::ptr::from_ref(headers.as_borrowed()).cast_mut().cast(),
+                name.as_ptr().cast(),
+                name.len().try_into().unwrap(),
+                value.as_ptr().cast(),
+                value.len().try_into().unwrap(),
+            )
+        };
+        assert_eq!(err, rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR);
+    }
     match key {
         Some(key) => headers.insert(Header {
             key: "idempotency-key",
@@ -397,6 +405,21 @@ pub fn headers_with_a_name_that_is_not_utf8(key: Option<&str>) -> OwnedHeaders {
         }),
         None => headers,
     }
+}
+
+/// `n` headers `h0: v`, `h1: v`, ... (names UTF-8), then `idempotency-key: key`.
+pub fn many_headers(n: usize, key: &str) -> OwnedHeaders {
+    let mut headers = OwnedHeaders::new_with_capacity(n + 1);
+    for i in 0..n {
+        headers = headers.insert(Header {
+            key: &format!("h{i}"),
+            value: Some("v"),
+        });
+    }
+    headers.insert(Header {
+        key: "idempotency-key",
+        value: Some(key),
+    })
 }
 
 /// Polls `cond` every 50 ms until it holds or `timeout` passes; returns whether it held.
