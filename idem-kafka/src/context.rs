@@ -244,7 +244,8 @@ impl Shared {
         let mut tpl = TopicPartitionList::new();
         for (topic, partition, slot) in &slots {
             let flow = lock(&slot.flow);
-            // Records dispatched but never taken are redelivered to the next owner.
+            // Records dispatched and not resolved (waiting, or taken by the worker and left
+            // unresolved) are redelivered to the next owner.
             for _ in 0..flow_buffered(&flow) {
                 RunnerStats::bump(&self.stats.abandoned);
             }

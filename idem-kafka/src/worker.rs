@@ -141,8 +141,8 @@ where
                     permit = Arc::clone(&self.common.in_flight).acquire_owned() => permit.ok(),
                 };
                 let Some(permit) = permit else {
-                    // The record taken is left unresolved.
-                    RunnerStats::bump(&self.common.stats.abandoned);
+                    // The record taken is left unresolved (counted abandoned with the other
+                    // records of the partition's buffer at the revocation).
                     return;
                 };
                 let (batch, keys) = queue.gather(|msg| self.verdict(msg), first, &[]);
@@ -215,7 +215,6 @@ where
                 // is not), and nothing else starts.
                 Next::Continue | Next::Stop => {}
                 Next::Abandoned => {
-                    RunnerStats::bump(&self.common.stats.abandoned);
                     // The batches after an unresolved record are not resolved either: their
                     // tries end (all at once: each sees the revocation and its own deadline),
                     // their released leases are counted.

@@ -2072,4 +2072,6 @@ async fn a_partition_is_paused_at_the_byte_bound_of_its_buffer() {
         (received + 1) * record > BOUND,
         "paused before the bound: {stats:?}"
     );
+    // Every record taken in was left unresolved by the stuck handler, and is counted so once.
+    assert_eq!(stats.abandoned(), received as u64, "{stats:?}");
 }
