@@ -25,6 +25,37 @@ pub enum RunnerError {
         #[source]
         source: async_nats::Error,
     },
+
+    /// The durable consumer was deleted while the runner ran: the server said it does not exist
+    /// at three checks in a row, or the consumer found under its name is a new one (created
+    /// after the runner started, from a position the runner cannot know). The runner never
+    /// creates it again while it runs: created anew, a consumer delivers the stream from its
+    /// first message, and every message whose record the store no longer keeps (past its
+    /// retention) would run its handler again. It drained the messages it held (their handlers
+    /// finished and their results are recorded; their acks could not reach the deleted
+    /// consumer) and stopped.
+    ///
+    /// The operator recreates the consumer from the first message not yet processed
+    /// (`DeliverPolicy::ByStartSequence`; `ack_floor` is a lower bound), then starts the
+    /// runners again. See [Streams and consumers](crate#streams-and-consumers).
+    #[error(
+        "consumer {consumer} of stream {stream} was deleted while the runner ran; it must be \
+         recreated by the operator from the first message not yet processed (every message up \
+         to stream sequence {ack_floor} was acknowledged when the runner last looked; later ones \
+         may have been too), e.g. with DeliverPolicy::ByStartSequence, then the runner started \
+         again: the runner does not recreate it, which would deliver the stream from its start \
+         and run again every message whose record the store no longer keeps"
+    )]
+    ConsumerDeleted {
+        /// The stream.
+        stream: String,
+        /// The durable consumer's name.
+        consumer: String,
+        /// The consumer's ack floor (a stream sequence) when the runner last read the
+        /// consumer's info (at the start, or at its last check after a failed pull): every
+        /// message up to it was acknowledged; messages after it may have been too.
+        ack_floor: u64,
+    },
 }
 
 impl From<idem_executor::broker::OptionError> for RunnerError {

@@ -6,6 +6,7 @@ mod message;
 mod options;
 mod runner;
 mod stats;
+mod subject;
 
 pub use async_nats;
 pub use dead_letter::{
@@ -17,6 +18,6 @@ pub use dead_letter::{
 pub use error::RunnerError;
 pub use idem_executor::Handler;
 pub use message::NatsMessage;
-pub use options::{DeadLetterSubject, RunnerOptions};
+pub use options::{DeadLetterSubject, RunnerOptions, SUBJECT_TOO_LONG};
 pub use runner::{NatsRunner, NatsRunnerBuilder};
 pub use stats::{RunnerStats, metric_names};

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::{AckPolicy, Config as ConsumerConfig};
 use idem_executor::broker::{self, LostTimeouts};
 
 use crate::error::RunnerError;
@@ -24,6 +25,14 @@ impl Default for DeadLetterSubject {
     }
 }
 
+/// The token that ends a dead-letter subject cut short ([`DeadLetterSubject::Prefix`]): the
+/// prefix and the original subject would make a publication longer than the server's protocol
+/// line (4,096 bytes), so the subject keeps the prefix and as many of the original subject's
+/// leading tokens as fit, followed by this token (`dlq.orders.<4,000 bytes>` goes to
+/// `dlq.orders.idem-subject-too-long`). The original subject is in the dead letter's
+/// [`idem-dlq-source-subject`](crate::HEADER_SOURCE_SUBJECT) header.
+pub const SUBJECT_TOO_LONG: &str = "idem-subject-too-long";
+
 impl DeadLetterSubject {
     /// The dead-letter subject of a message published on `subject`.
     pub fn for_subject(&self, subject: &str) -> String {
@@ -31,6 +40,67 @@ impl DeadLetterSubject {
             Self::Prefix(prefix) => format!("{prefix}{subject}"),
             Self::Fixed(fixed) => fixed.clone(),
         }
+    }
+
+    /// [`for_subject`](Self::for_subject), cut short to at most `max_len` bytes: a prefixed
+    /// subject over it keeps the prefix and as many whole leading tokens of `subject` as fit,
+    /// followed by [`SUBJECT_TOO_LONG`]; with whether it was cut. (A fixed subject, and the
+    /// prefix with [`SUBJECT_TOO_LONG`] alone, are checked against the limit when the runner is
+    /// built, so the cut one is within it.)
+    pub(crate) fn for_subject_within(&self, subject: &str, max_len: usize) -> (String, bool) {
+        let whole = self.for_subject(subject);
+        let Self::Prefix(prefix) = self else {
+            return (whole, false);
+        };
+        if whole.len() <= max_len {
+            return (whole, false);
+        }
+        let mut kept = String::new();
+        for token in subject.split('.') {
+            // `prefix` + kept (each token with its `.`) + token + `.` + SUBJECT_TOO_LONG
+            let with = prefix.len() + kept.len() + token.len() + 1 + SUBJECT_TOO_LONG.len();
+            if with > max_len {
+                break;
+            }
+            kept.push_str(token);
+            kept.push('.');
+        }
+        (format!("{prefix}{kept}{SUBJECT_TOO_LONG}"), true)
+    }
+
+    /// Checks that dead letters can be published: a literal subject (no wildcard, no empty
+    /// token, no whitespace), within `max_len` bytes (for a prefix: with [`SUBJECT_TOO_LONG`]).
+    pub(crate) fn validate(&self, max_len: usize) -> Result<(), RunnerError> {
+        let (example, what) = match self {
+            Self::Prefix(s) | Self::Fixed(s) if s.is_empty() => {
+                return Err(RunnerError::config(
+                    "dead_letter_subject",
+                    "is empty: a prefix would publish back to the source subject",
+                ));
+            }
+            Self::Prefix(prefix) => (format!("{prefix}{SUBJECT_TOO_LONG}"), "the prefix"),
+            Self::Fixed(fixed) => (fixed.clone(), "the subject"),
+        };
+        if !crate::subject::is_literal(&example) {
+            return Err(RunnerError::config(
+                "dead_letter_subject",
+                format!(
+                    "{self:?}: {what} is not one a message can be published to (a wildcard, an \
+                     empty token or whitespace)"
+                ),
+            ));
+        }
+        if example.len() > max_len {
+            return Err(RunnerError::config(
+                "dead_letter_subject",
+                format!(
+                    "{self:?}: {what} is too long: a publication to it would be over the \
+                     server's {}-byte protocol line (subjects of at most {max_len} bytes)",
+                    crate::subject::MAX_CONTROL_LINE
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -59,18 +129,27 @@ pub struct RunnerOptions {
     /// messages a pull has brought and that are at hand together form a group: their keys are
     /// acquired in one store call, their handlers run concurrently, their results are recorded
     /// in grouped calls, and each message is settled once the whole group has its outcomes
-    /// (progress acks hold every message of the group meanwhile). `1` runs and settles each
-    /// message on its own (two store round trips per message; a slow handler then holds back no
-    /// other message's ack).
+    /// (progress acks hold every message of the group meanwhile). So a slow handler holds every
+    /// message of its group, and their slots, until it returns; a group holding half of
+    /// [`max_in_flight`](Self::max_in_flight) or more stops the runner pulling meanwhile (see
+    /// the crate docs, "What happens to a message"). `1` runs and settles each message on its
+    /// own, freeing its slot as soon as its outcome is recorded (two store round trips per
+    /// message; a slow handler then holds back no other message): the setting for handlers of
+    /// mixed latencies.
     pub max_batch: usize,
     /// How long one pull request waits for messages (default 1 s; at least 1 ms): the idle pace
     /// of pull requests, and the longest a shutdown waits for the pull in flight.
     pub pull_expiry: Duration,
-    /// Whether the runner creates the durable pull consumer when it does not exist (default
-    /// `true`), with [`ack_wait`](Self::ack_wait), [`max_deliver`](Self::max_deliver) and
-    /// [`filter_subject`](Self::filter_subject). An existing consumer is used as it is: its
-    /// configuration is read from the server and checked (explicit acks, `ack_wait` above the
-    /// executor's heartbeat interval, `max_deliver` above `max_attempts`).
+    /// Whether the runner creates the durable pull consumer when it does not exist at the
+    /// start (default `true`), with [`ack_wait`](Self::ack_wait),
+    /// [`max_deliver`](Self::max_deliver) and [`filter_subject`](Self::filter_subject),
+    /// delivering the stream from its first message. Never while running: a consumer deleted
+    /// then stops the runner ([`RunnerError::ConsumerDeleted`]). A consumer deleted while no
+    /// runner ran is created so too at the next start, and every message whose record the store
+    /// no longer keeps runs again: in production, create the consumer with the deployment and
+    /// turn this off. An existing consumer is used as it is: its configuration is read from the
+    /// server and checked (explicit acks, not `headers_only`, `ack_wait` and every `backoff`
+    /// entry above the executor's heartbeat interval, `max_deliver` above `max_attempts`).
     pub create_consumer: bool,
     /// The consumer's ack deadline when the runner creates it (default 30 s). Must exceed the
     /// executor's heartbeat interval: the runner sends a progress ack (`+WPI`) at every heartbeat
@@ -95,7 +174,10 @@ pub struct RunnerOptions {
     /// Longest nak delay (default 5 s): a key held by a live lease is looked at again at least
     /// this often.
     pub max_retry_delay: Duration,
-    /// Where dead letters go (default: `dlq.` + the message's subject).
+    /// Where dead letters go (default: `dlq.` + the message's subject). Must be a subject one
+    /// can publish to, short enough for the server's protocol line (a prefixed subject too long
+    /// is cut short: [`SUBJECT_TOO_LONG`]), and not one the consumer receives (checked at the
+    /// start against the stream's subjects and the consumer's filter).
     pub dead_letter_subject: DeadLetterSubject,
     /// Longest wait for the stream's acknowledgement of a dead-letter publication (default
     /// 30 s).
@@ -246,12 +328,14 @@ impl RunnerOptions {
         broker::reconnect_delay(failures, self.min_reconnect_delay, self.max_reconnect_delay)
     }
 
-    /// Checks the options against the executor's heartbeat interval and maximum attempts.
+    /// Checks the options against the executor's heartbeat interval and maximum attempts, the
+    /// store's largest batch and the longest subject a publication can have (`max_subject`).
     pub(crate) fn validate(
         &self,
         heartbeat: Duration,
         max_attempts: u32,
         store_max_batch: usize,
+        max_subject: usize,
     ) -> Result<(), RunnerError> {
         broker::check_count("max_in_flight", self.max_in_flight, broker::MAX_IN_FLIGHT)?;
         if self.max_batch == 0 || self.max_batch > store_max_batch {
@@ -290,15 +374,7 @@ impl RunnerOptions {
             "NATS carries durations as 64-bit nanoseconds",
         )?;
         self.lost_timeouts().validate()?;
-        match &self.dead_letter_subject {
-            DeadLetterSubject::Prefix(s) | DeadLetterSubject::Fixed(s) if s.is_empty() => {
-                return Err(RunnerError::config(
-                    "dead_letter_subject",
-                    "is empty: a prefix would publish back to the source subject",
-                ));
-            }
-            _ => {}
-        }
+        self.dead_letter_subject.validate(max_subject)?;
         if let Some(max_deliver) = self.max_deliver
             && (max_deliver == 0 || max_deliver < -1)
         {
@@ -314,17 +390,19 @@ impl RunnerOptions {
         check_consumer(
             self.ack_wait,
             self.max_deliver.unwrap_or(-1),
+            &[],
             heartbeat,
             max_attempts,
         )
     }
 }
 
-/// The rules a consumer's `ack_wait` and `max_deliver` must follow (for one the runner creates,
-/// and for one it finds on the server).
+/// The rules a consumer's `ack_wait`, `backoff` and `max_deliver` must follow (for one the
+/// runner creates, and for one it finds on the server).
 pub(crate) fn check_consumer(
     ack_wait: Duration,
     max_deliver: i64,
+    backoff: &[Duration],
     heartbeat: Duration,
     max_attempts: u32,
 ) -> Result<(), RunnerError> {
@@ -344,6 +422,25 @@ pub(crate) fn check_consumer(
             ),
         ));
     }
+    // With a backoff list, the server gives a redelivered message the ack deadline of the entry
+    // for its delivery count (the last entry past the end), not `ack_wait`.
+    if let Some(shortest) = backoff.iter().min()
+        && *shortest <= heartbeat
+    {
+        return Err(RunnerError::config(
+            "backoff",
+            format!(
+                "the consumer's backoff {backoff:?} has an entry of {shortest:?}, not above the \
+                 executor's heartbeat interval {heartbeat:?}: the server makes each entry the ack \
+                 deadline of a redelivery, progress acks go out at every heartbeat, and it would \
+                 redeliver a message whose handler is still running (copies then meet the key \
+                 in progress until max_deliver, and one is dead-lettered as exhausted while the \
+                 original completes). Raise every entry above the heartbeat interval (two or \
+                 three intervals), or remove the backoff: the runner's retries are naks with \
+                 their own delay (min_retry_delay to max_retry_delay)"
+            ),
+        ));
+    }
     if max_deliver > 0 && max_deliver <= i64::from(max_attempts) {
         return Err(RunnerError::config(
             "max_deliver",
@@ -355,6 +452,51 @@ pub(crate) fn check_consumer(
         ));
     }
     Ok(())
+}
+
+/// Checks a consumer found on the server (or just created) before the runner reads from it:
+/// explicit acks, whole messages (not `headers_only`), `ack_wait` and every `backoff` entry above
+/// the heartbeat interval, `max_deliver` above `max_attempts`, and pull limits the runner's pulls
+/// fit.
+pub(crate) fn check_found_consumer(
+    name: &str,
+    config: &ConsumerConfig,
+    options: &RunnerOptions,
+    heartbeat: Duration,
+    max_attempts: u32,
+) -> Result<(), RunnerError> {
+    if config.ack_policy != AckPolicy::Explicit {
+        return Err(RunnerError::config(
+            "ack_policy",
+            format!(
+                "consumer {name} acknowledges {:?}: the runner needs explicit acks",
+                config.ack_policy
+            ),
+        ));
+    }
+    if config.headers_only {
+        return Err(RunnerError::config(
+            "headers_only",
+            format!(
+                "consumer {name} delivers headers only: handlers would run on an empty payload, \
+                 fingerprints be taken of it and dead letters carry it; the runner needs a \
+                 consumer that delivers whole messages"
+            ),
+        ));
+    }
+    check_consumer(
+        config.ack_wait,
+        config.max_deliver,
+        &config.backoff,
+        heartbeat,
+        max_attempts,
+    )?;
+    check_pull_limits(
+        config.max_batch,
+        config.max_expires,
+        options.max_in_flight,
+        options.pull_expiry,
+    )
 }
 
 /// Checks an existing consumer's limits on pull requests against what the runner asks for:
@@ -391,6 +533,126 @@ mod tests {
     use super::*;
 
     const HB: Duration = Duration::from_secs(10);
+    /// The longest subject with the default 29-byte inbox.
+    const MAX_SUBJECT: usize = 4037;
+
+    fn config_field(r: Result<(), RunnerError>) -> &'static str {
+        match r {
+            Err(RunnerError::Config { field, .. }) => field,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_backoff_entry_not_above_the_heartbeat_is_refused() {
+        let s = Duration::from_secs;
+        // The server makes BackOff[0] the ack_wait, and each entry the ack deadline of a
+        // redelivery: the second entry here is under the heartbeat.
+        assert_eq!(
+            config_field(check_consumer(s(30), 10, &[s(30), s(5)], HB, 5)),
+            "backoff"
+        );
+        assert_eq!(
+            config_field(check_consumer(s(30), 10, &[s(30), HB], HB, 5)),
+            "backoff"
+        );
+        assert!(check_consumer(s(30), 10, &[s(30), s(11), s(60)], HB, 5).is_ok());
+    }
+
+    #[test]
+    fn a_headers_only_consumer_is_refused() {
+        let options = RunnerOptions::default();
+        let config = ConsumerConfig {
+            ack_policy: AckPolicy::Explicit,
+            ..ConsumerConfig::default()
+        };
+        assert!(check_found_consumer("c", &config, &options, HB, 5).is_ok());
+        let headers_only = ConsumerConfig {
+            headers_only: true,
+            ..config.clone()
+        };
+        assert_eq!(
+            config_field(check_found_consumer("c", &headers_only, &options, HB, 5)),
+            "headers_only"
+        );
+        let backoff = ConsumerConfig {
+            backoff: vec![Duration::from_secs(30), Duration::from_millis(500)],
+            max_deliver: 10,
+            ..config.clone()
+        };
+        assert_eq!(
+            config_field(check_found_consumer("c", &backoff, &options, HB, 5)),
+            "backoff"
+        );
+        let none = ConsumerConfig {
+            ack_policy: AckPolicy::None,
+            ..config
+        };
+        assert_eq!(
+            config_field(check_found_consumer("c", &none, &options, HB, 5)),
+            "ack_policy"
+        );
+    }
+
+    #[test]
+    fn a_dead_letter_subject_too_long_is_cut_at_a_token() {
+        let prefix = DeadLetterSubject::default();
+        assert_eq!(
+            prefix.for_subject_within("orders.created", 100),
+            ("dlq.orders.created".to_owned(), false)
+        );
+        let long = format!("orders.{}.eu", "a".repeat(5_000));
+        let (cut, was_cut) = prefix.for_subject_within(&long, MAX_SUBJECT);
+        assert!(was_cut);
+        assert_eq!(cut, format!("dlq.orders.{SUBJECT_TOO_LONG}"));
+        // As many leading tokens as fit, exactly.
+        let subject = format!("a.bb.{}", "c".repeat(40));
+        let subject = subject.as_str();
+        let limit = "dlq.a.bb.".len() + SUBJECT_TOO_LONG.len();
+        assert_eq!(
+            prefix.for_subject_within(subject, limit).0,
+            format!("dlq.a.bb.{SUBJECT_TOO_LONG}")
+        );
+        assert_eq!(
+            prefix.for_subject_within(subject, limit - 1).0,
+            format!("dlq.a.{SUBJECT_TOO_LONG}")
+        );
+        assert_eq!(
+            prefix.for_subject_within(&"x".repeat(5_000), MAX_SUBJECT).0,
+            format!("dlq.{SUBJECT_TOO_LONG}")
+        );
+        // A fixed subject is never cut (its length is checked when the runner is built).
+        let fixed = DeadLetterSubject::Fixed("dead".into());
+        assert_eq!(
+            fixed.for_subject_within(&long, 10),
+            ("dead".to_owned(), false)
+        );
+    }
+
+    #[test]
+    fn dead_letter_subjects_must_be_publishable_and_fit_the_protocol_line() {
+        let check = |d: DeadLetterSubject| d.validate(MAX_SUBJECT);
+        assert!(check(DeadLetterSubject::default()).is_ok());
+        assert!(check(DeadLetterSubject::Prefix("dlq_".into())).is_ok());
+        assert!(check(DeadLetterSubject::Fixed("dead.letters".into())).is_ok());
+        for bad in [
+            DeadLetterSubject::Prefix(String::new()),
+            DeadLetterSubject::Fixed(String::new()),
+            DeadLetterSubject::Prefix("dlq.*.".into()),
+            DeadLetterSubject::Prefix(".dlq.".into()),
+            DeadLetterSubject::Fixed("dead.>".into()),
+            DeadLetterSubject::Fixed("dead letters".into()),
+            DeadLetterSubject::Fixed("d".repeat(MAX_SUBJECT + 1)),
+            DeadLetterSubject::Prefix(format!("{}.", "d".repeat(MAX_SUBJECT))),
+        ] {
+            assert_eq!(
+                config_field(check(bad.clone())),
+                "dead_letter_subject",
+                "{bad:?}"
+            );
+        }
+        assert!(check(DeadLetterSubject::Fixed("d".repeat(MAX_SUBJECT))).is_ok());
+    }
 
     #[test]
     fn pulls_must_fit_the_consumer_limits() {
@@ -425,12 +687,20 @@ mod tests {
 
     #[test]
     fn ack_wait_must_exceed_the_heartbeat_and_max_deliver_the_attempts() {
-        assert!(RunnerOptions::default().validate(HB, 5, 1000).is_ok());
-        let field =
-            |o: RunnerOptions, hb: Duration, attempts: u32| match o.validate(hb, attempts, 1000) {
-                Err(RunnerError::Config { field, .. }) => field,
-                other => panic!("{other:?}"),
-            };
+        assert!(
+            RunnerOptions::default()
+                .validate(HB, 5, 1000, MAX_SUBJECT)
+                .is_ok()
+        );
+        let field = |o: RunnerOptions, hb: Duration, attempts: u32| match o.validate(
+            hb,
+            attempts,
+            1000,
+            MAX_SUBJECT,
+        ) {
+            Err(RunnerError::Config { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
         let o = RunnerOptions::default().with_ack_wait(Duration::from_secs(10));
         assert_eq!(field(o, HB, 5), "ack_wait");
         let o = RunnerOptions::default().with_max_deliver(Some(5));
@@ -438,13 +708,13 @@ mod tests {
         assert!(
             RunnerOptions::default()
                 .with_max_deliver(Some(6))
-                .validate(HB, 5, 1000)
+                .validate(HB, 5, 1000, MAX_SUBJECT)
                 .is_ok()
         );
         assert!(
             RunnerOptions::default()
                 .with_max_deliver(Some(-1))
-                .validate(HB, 5, 1000)
+                .validate(HB, 5, 1000, MAX_SUBJECT)
                 .is_ok()
         );
         for nonsense in [0, -2, i64::MIN] {
@@ -466,7 +736,7 @@ mod tests {
         assert!(
             RunnerOptions::default()
                 .with_max_batch(1000)
-                .validate(HB, 5, 1000)
+                .validate(HB, 5, 1000, MAX_SUBJECT)
                 .is_ok()
         );
         assert_eq!(
@@ -514,12 +784,12 @@ mod tests {
             RunnerOptions::default()
                 .with_max_in_flight(broker::MAX_IN_FLIGHT)
                 .with_pull_expiry(Duration::from_millis(1))
-                .validate(HB, 5, 1000)
+                .validate(HB, 5, 1000, MAX_SUBJECT)
                 .is_ok()
         );
         // The server's default ack_wait (zero in a config) is 30 s.
-        assert!(check_consumer(Duration::ZERO, -1, HB, 5).is_ok());
-        assert!(check_consumer(Duration::ZERO, -1, Duration::from_secs(30), 5).is_err());
+        assert!(check_consumer(Duration::ZERO, -1, &[], HB, 5).is_ok());
+        assert!(check_consumer(Duration::ZERO, -1, &[], Duration::from_secs(30), 5).is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
-use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::{AckKind, Acker};
 use futures::{FutureExt, StreamExt};
@@ -22,16 +22,18 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::dead_letter::{self, DeadLetterReason};
+use crate::dead_letter::{self, DeadLetterReason, HEADER_REASON};
 use crate::error::RunnerError;
 use crate::message::NatsMessage;
-use crate::options::{RunnerOptions, check_consumer, check_pull_limits};
+use crate::options::{RunnerOptions, check_found_consumer};
 use crate::stats::{RunnerStats, metric_names as m};
+use crate::subject::{self, Consumed};
 
 /// Longest wait for the server's confirmation of a double ack (as `async-nats`'s JetStream
-/// context waits by default): an ack lost in a disconnection fails after it, and the server
-/// redelivers the message after its ack deadline.
-const ACK_CONFIRM_TIMEOUT: Duration = Duration::from_secs(5);
+/// context waits by default), and for an ack not confirmed (a nak, a progress ack) to be handed
+/// to the connection, whose buffer may be full while it is disconnected: an ack lost so fails
+/// after it, and the server redelivers the message after its ack deadline.
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause between two tries of a dead-letter publication that failed.
 const DEAD_LETTER_RETRY: Duration = Duration::from_secs(1);
 
@@ -93,6 +95,52 @@ struct Common<H, C, R> {
     /// The executor's heartbeat interval: the pace of progress acks.
     heartbeat: Duration,
     max_attempts: u32,
+    /// The longest subject a dead letter can be published to (the server's protocol line).
+    max_subject: usize,
+    /// The subjects the consumer receives, as last read from the server.
+    consumed: Mutex<Consumed>,
+}
+
+impl<H, C, R> Common<H, C, R> {
+    /// The subjects the consumer receives, as the server has them now (as last read, when the
+    /// server cannot be asked).
+    async fn consumed_now(&self) -> Consumed {
+        let fresh = async {
+            let stream = self.jetstream.get_stream(&self.stream).await.ok()?;
+            let info = stream.consumer_info(&self.consumer).await.ok()?;
+            Some(Consumed::new(
+                &stream.cached_info().config.subjects,
+                &info.config.filter_subject,
+            ))
+        };
+        let fresh = fresh.await;
+        let mut last = self
+            .consumed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(fresh) = fresh {
+            *last = fresh;
+        }
+        last.clone()
+    }
+}
+
+/// How [`NatsRunner::consumer`] gets the durable consumer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Get {
+    /// At the start: created when missing, if
+    /// [`create_consumer`](RunnerOptions::create_consumer) allows it.
+    Start,
+    /// While running: never created (a consumer created anew delivers the stream from its first
+    /// message).
+    Again,
+}
+
+/// What the server said does not exist.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Missing {
+    Stream,
+    Consumer,
 }
 
 impl<H, T, C, R> NatsRunner<H, T, C, R>
@@ -133,7 +181,7 @@ where
         &self.common.options
     }
 
-    /// Gets (or creates) the consumer, checks its configuration, pulls and processes messages
+    /// Gets (or, at the start, creates) the consumer, checks its configuration, pulls and processes messages
     /// until `shutdown` completes, then drains: no new pull; the pull in flight is read to its
     /// end (at most [`pull_expiry`](RunnerOptions::pull_expiry)) and what it brings is nak'ed
     /// for an immediate redelivery (a message on its last allowed delivery is run instead); the
@@ -144,19 +192,25 @@ where
     /// drops them unless they return at once).
     ///
     /// A pull request that fails is sent again with a bounded delay, after getting the
-    /// consumer again (created again if it was deleted and creating it is allowed). The client
-    /// reconnects to the server by itself; an ack that does not reach the server meanwhile
-    /// leaves its message to be redelivered after its ack deadline, and the store replays it.
+    /// consumer again (never created again while running). The client reconnects to the server
+    /// by itself; an ack that does not reach the server meanwhile leaves its message to be
+    /// redelivered after its ack deadline, and the store replays it.
     ///
     /// # Errors
-    /// [`RunnerError::Nats`] when the stream or the consumer cannot be had (at the start, or
-    /// while running: the server says one of them does not exist at three checks in a row, the
-    /// consumer deleted with [`create_consumer`](RunnerOptions::create_consumer) off, say), and
-    /// [`RunnerError::Config`] when the consumer on the server is not usable (not explicit acks,
-    /// `ack_wait` not above the heartbeat interval, `max_deliver` not above `max_attempts`, a
-    /// `max_batch` under [`max_in_flight`](RunnerOptions::max_in_flight) or a `max_expires`
-    /// under [`pull_expiry`](RunnerOptions::pull_expiry), which would make the server refuse the
-    /// runner's pulls).
+    /// - [`RunnerError::ConsumerDeleted`] when the consumer was deleted while the runner ran
+    ///   (missing at three checks in a row, or a new consumer under its name), after draining
+    ///   the messages in process; the operator recreates it from the right position;
+    /// - [`RunnerError::Nats`] when the stream or the consumer cannot be had at the start (the
+    ///   consumer missing with [`create_consumer`](RunnerOptions::create_consumer) off, say), or
+    ///   the stream is gone while running (three checks in a row);
+    /// - [`RunnerError::Config`] when the consumer on the server is not usable (not explicit
+    ///   acks, `headers_only`, `ack_wait` or a `backoff` entry not above the heartbeat interval,
+    ///   `max_deliver` not above `max_attempts`, a `max_batch` under
+    ///   [`max_in_flight`](RunnerOptions::max_in_flight) or a `max_expires` under
+    ///   [`pull_expiry`](RunnerOptions::pull_expiry), which would make the server refuse the
+    ///   runner's pulls), or when it would receive its own dead letters (the stream captures the
+    ///   [`dead_letter_subject`](RunnerOptions::dead_letter_subject) and the filter lets it
+    ///   through).
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), RunnerError> {
         let stop = CancellationToken::new();
         let mut shutdown = std::pin::pin!(shutdown);
@@ -173,63 +227,69 @@ where
         result
     }
 
-    /// The durable pull consumer, created when missing (and allowed), its settings checked.
-    async fn consumer(&self) -> Result<(PullConsumer, i64), RunnerError> {
+    /// The durable pull consumer, its settings checked; at the start ([`Get::Start`]) created
+    /// when missing, if allowed. Also refuses dead-letter subjects the consumer would receive.
+    async fn consumer(&self, get: Get) -> Result<(PullConsumer, i64), RunnerError> {
         let common = &self.common;
         let options = &common.options;
+        let name = &common.consumer;
         let stream = common
             .jetstream
             .get_stream(&common.stream)
             .await
             .map_err(|e| RunnerError::nats(format!("getting stream {}", common.stream), e))?;
-        let consumer: PullConsumer = if options.create_consumer {
-            let config = PullConfig {
-                durable_name: Some(self.common.consumer.clone()),
-                ack_policy: AckPolicy::Explicit,
-                ack_wait: options.ack_wait,
-                max_deliver: options.max_deliver.unwrap_or(-1),
-                filter_subject: options.filter_subject.clone().unwrap_or_default(),
-                ..PullConfig::default()
-            };
-            stream
-                .get_or_create_consumer(&self.common.consumer, config)
-                .await
-                .map_err(|e| {
-                    RunnerError::nats(
-                        format!("getting or creating consumer {}", self.common.consumer),
-                        e,
-                    )
-                })?
-        } else {
-            stream
-                .get_consumer(&self.common.consumer)
-                .await
-                .map_err(|e| {
-                    RunnerError::nats(format!("getting consumer {}", self.common.consumer), e)
-                })?
+        let consumer: PullConsumer = match stream.get_consumer(name).await {
+            Ok(consumer) => consumer,
+            Err(e) => {
+                let e = RunnerError::nats(format!("getting consumer {name}"), e);
+                if get != Get::Start
+                    || !options.create_consumer
+                    || missing(&e) != Some(Missing::Consumer)
+                {
+                    return Err(e);
+                }
+                let config = PullConfig {
+                    durable_name: Some(name.clone()),
+                    deliver_policy: DeliverPolicy::All,
+                    ack_policy: AckPolicy::Explicit,
+                    ack_wait: options.ack_wait,
+                    max_deliver: options.max_deliver.unwrap_or(-1),
+                    filter_subject: options.filter_subject.clone().unwrap_or_default(),
+                    ..PullConfig::default()
+                };
+                // (Another runner may create it at the same moment: the server answers both.)
+                let created = stream
+                    .get_or_create_consumer(name, config)
+                    .await
+                    .map_err(|e| {
+                        RunnerError::nats(format!("getting or creating consumer {name}"), e)
+                    })?;
+                tracing::warn!(stream = %common.stream, consumer = %name, "created the durable consumer, which was missing: it delivers the stream from its first message (see create_consumer)");
+                created
+            }
         };
         let config = &consumer.cached_info().config;
-        if config.ack_policy != AckPolicy::Explicit {
+        check_found_consumer(name, config, options, common.heartbeat, common.max_attempts)?;
+        let consumed = Consumed::new(
+            &stream.cached_info().config.subjects,
+            &config.filter_subject,
+        );
+        if let Some(why) = consumed.loop_through(&options.dead_letter_subject) {
             return Err(RunnerError::config(
-                "ack_policy",
+                "dead_letter_subject",
                 format!(
-                    "consumer {} acknowledges {:?}: the runner needs explicit acks",
-                    self.common.consumer, config.ack_policy
+                    "{:?}: stream {} (subjects {:?}) and consumer {name} (filter {:?}): {why}: \
+                     every dead letter would come back and be dead-lettered again, without end; \
+                     publish dead letters to subjects the source stream does not capture, or \
+                     that the consumer's filter keeps out",
+                    options.dead_letter_subject, common.stream, consumed.stream, consumed.filters,
                 ),
             ));
         }
-        check_consumer(
-            config.ack_wait,
-            config.max_deliver,
-            common.heartbeat,
-            common.max_attempts,
-        )?;
-        check_pull_limits(
-            config.max_batch,
-            config.max_expires,
-            options.max_in_flight,
-            options.pull_expiry,
-        )?;
+        *common
+            .consumed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = consumed;
         let max_deliver = config.max_deliver;
         Ok((consumer, max_deliver))
     }
@@ -253,46 +313,66 @@ where
         Ok(true)
     }
 
-    /// After a failed pull: gets the consumer again, as [`consumer`](Self::consumer) does at the
-    /// start (so a consumer deleted meanwhile is created again when allowed, and one whose
-    /// settings changed is checked again). `Err` when the runner cannot go on: the consumer is
-    /// not usable, or the server said the stream or the consumer does not exist at
-    /// [`GONE_CHECKS`] checks in a row (once could be a server still recovering its streams);
-    /// any other failure (the server unreachable) leaves the consumer as it was, to pull again.
+    /// After a failed pull: gets the consumer again and checks it, as [`consumer`](Self::consumer)
+    /// does at the start, but never creates it. `Err` when the runner cannot go on: the consumer
+    /// is not usable; it was deleted ([`RunnerError::ConsumerDeleted`]: the server said it does
+    /// not exist at [`GONE_CHECKS`] checks in a row, once could be a server still recovering
+    /// its streams, or the consumer under its name is a new one); or the stream is gone (the
+    /// server's answer, at [`GONE_CHECKS`] checks in a row). Any other failure (the server
+    /// unreachable) leaves the consumer as it was, to pull again.
     async fn recover(
         &self,
         consumer: &mut PullConsumer,
         max_deliver: &mut i64,
         gone: &mut u32,
     ) -> Result<(), RunnerError> {
-        match self.consumer().await {
+        match self.consumer(Get::Again).await {
             Ok((again, deliver)) => {
-                *gone = 0;
                 if again.cached_info().created != consumer.cached_info().created {
-                    tracing::warn!(consumer = %self.common.consumer, "the consumer was created again: it delivers the stream from its start, and the store replays what was done");
+                    tracing::error!(consumer = %self.common.consumer, "the consumer was deleted and created again while the runner ran, from a position it cannot know: stopping");
+                    return Err(self.deleted(consumer));
                 }
+                *gone = 0;
                 *consumer = again;
                 *max_deliver = deliver;
                 Ok(())
             }
             Err(e @ RunnerError::Config { .. }) => Err(e),
-            Err(e) if not_found(&e) => {
-                *gone += 1;
-                tracing::warn!(error = %e, checks = *gone, "the stream or the consumer is not on the server");
-                if *gone >= GONE_CHECKS { Err(e) } else { Ok(()) }
-            }
-            Err(e) => {
-                *gone = 0;
-                tracing::warn!(error = %e, "getting the consumer again failed");
-                Ok(())
-            }
+            Err(e) => match missing(&e) {
+                Some(what) => {
+                    *gone += 1;
+                    tracing::warn!(error = %e, checks = *gone, "the stream or the consumer is not on the server");
+                    if *gone < GONE_CHECKS {
+                        Ok(())
+                    } else if what == Missing::Consumer {
+                        tracing::error!(consumer = %self.common.consumer, "the consumer was deleted while the runner ran: stopping (the runner does not create it again, which would deliver the stream from its start)");
+                        Err(self.deleted(consumer))
+                    } else {
+                        Err(e)
+                    }
+                }
+                None => {
+                    *gone = 0;
+                    tracing::warn!(error = %e, "getting the consumer again failed");
+                    Ok(())
+                }
+            },
+        }
+    }
+
+    /// [`RunnerError::ConsumerDeleted`], with the ack floor `consumer` last showed.
+    fn deleted(&self, consumer: &PullConsumer) -> RunnerError {
+        RunnerError::ConsumerDeleted {
+            stream: self.common.stream.clone(),
+            consumer: self.common.consumer.clone(),
+            ack_floor: consumer.cached_info().ack_floor.stream_sequence,
         }
     }
 
     async fn consume_until(&self, stop: CancellationToken) -> Result<(), RunnerError> {
         let common = &self.common;
         let options = &common.options;
-        let (mut consumer, mut max_deliver) = self.consumer().await?;
+        let (mut consumer, mut max_deliver) = self.consumer(Get::Start).await?;
         // Checks in a row that found the stream or the consumer gone.
         let mut gone = 0;
         tracing::info!(stream = %common.stream, consumer = %self.common.consumer, max_deliver, "nats runner consuming");
@@ -477,7 +557,7 @@ where
             }
             return Some((message, None));
         }
-        if message.ack_with(AckKind::Nak(None)).await.is_err() {
+        if within(message.ack_with(AckKind::Nak(None))).await.is_err() {
             RunnerStats::count(&stats.ack_failures, m::ACK_FAILURES);
         }
         None
@@ -534,8 +614,10 @@ where
         let heartbeat = self.executor.heartbeat_interval();
         let max_attempts = self.executor.config().max_attempts;
         let store_max_batch = self.executor.store().limits().max_batch;
+        // A JetStream publication's reply subject is one of the client's inboxes.
+        let max_subject = subject::max_publish_subject(self.client.new_inbox().len());
         self.options
-            .validate(heartbeat, max_attempts, store_max_batch)?;
+            .validate(heartbeat, max_attempts, store_max_batch, max_subject)?;
         if self.stream.is_empty() {
             return Err(RunnerError::config("stream", "is empty"));
         }
@@ -553,59 +635,78 @@ where
                 stats: Arc::new(RunnerStats::default()),
                 heartbeat,
                 max_attempts,
+                max_subject,
+                consumed: Mutex::new(Consumed::default()),
             }),
             _result: PhantomData,
         })
     }
 }
 
-/// Whether a message delivered `delivered` times is on the consumer's last allowed delivery
-/// (`max_deliver`; 0 or less: unlimited), when a nak would make the server stop delivering it.
 /// How many checks in a row must find the stream or the consumer gone before the runner stops.
 const GONE_CHECKS: u32 = 3;
 
-/// Whether the server answered that the stream or the consumer does not exist.
-fn not_found(e: &RunnerError) -> bool {
+/// What the server answered does not exist, if that is what `e` says: the stream or the
+/// consumer.
+fn missing(e: &RunnerError) -> Option<Missing> {
     use async_nats::jetstream::ErrorCode;
     use async_nats::jetstream::context::{
         ConsumerInfoError, ConsumerInfoErrorKind, GetStreamError, GetStreamErrorKind,
     };
     use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
-    let gone = |e: &async_nats::jetstream::Error| {
-        matches!(
-            e.error_code(),
-            ErrorCode::STREAM_NOT_FOUND | ErrorCode::CONSUMER_NOT_FOUND
-        )
+    let code = |e: &async_nats::jetstream::Error| match e.error_code() {
+        ErrorCode::STREAM_NOT_FOUND => Some(Missing::Stream),
+        ErrorCode::CONSUMER_NOT_FOUND => Some(Missing::Consumer),
+        _ => None,
     };
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(e) = cause {
         let found = if let Some(e) = e.downcast_ref::<GetStreamError>() {
-            matches!(e.kind(), GetStreamErrorKind::JetStream(j) if gone(&j))
+            match e.kind() {
+                GetStreamErrorKind::JetStream(j) => code(&j),
+                _ => None,
+            }
         } else if let Some(e) = e.downcast_ref::<ConsumerInfoError>() {
-            matches!(
-                e.kind(),
-                ConsumerInfoErrorKind::NotFound | ConsumerInfoErrorKind::StreamNotFound
-            ) || matches!(e.kind(), ConsumerInfoErrorKind::JetStream(j) if gone(&j))
+            match e.kind() {
+                ConsumerInfoErrorKind::NotFound => Some(Missing::Consumer),
+                ConsumerInfoErrorKind::StreamNotFound => Some(Missing::Stream),
+                ConsumerInfoErrorKind::JetStream(j) => code(&j),
+                _ => None,
+            }
         } else if let Some(e) = e.downcast_ref::<ConsumerError>() {
-            matches!(e.kind(), ConsumerErrorKind::JetStream(j) if gone(&j))
+            match e.kind() {
+                ConsumerErrorKind::JetStream(j) => code(&j),
+                _ => None,
+            }
         } else if let Some(e) = e.downcast_ref::<async_nats::jetstream::Error>() {
-            gone(e)
+            code(e)
         } else {
-            false
+            None
         };
-        if found {
-            return true;
+        if found.is_some() {
+            return found;
         }
         cause = e.source();
     }
-    false
+    None
 }
 
+/// An ack the server does not confirm (a nak, a progress ack), given at most [`ACK_TIMEOUT`] to
+/// be handed to the connection (whose buffer may be full while it is disconnected).
+async fn within(
+    ack: impl Future<Output = Result<(), async_nats::Error>>,
+) -> Result<(), async_nats::Error> {
+    tokio::time::timeout(ACK_TIMEOUT, ack)
+        .await
+        .unwrap_or_else(|_| Err("not handed to the connection within 5 s".into()))
+}
+
+/// Whether a message delivered `delivered` times is on the consumer's last allowed delivery
+/// (`max_deliver`; 0 or less: unlimited), when a nak would make the server stop delivering it.
 fn is_last_delivery(delivered: i64, max_deliver: i64) -> bool {
     max_deliver > 0 && delivered >= max_deliver
 }
 
-/// The dead letter of a message on its last allowed delivery that has no final outcome.
 /// Whether a publication was refused for its size: over the server's `max_payload` (refused by
 /// the client before it is sent) or over the stream's `max_msg_size` (refused by the stream).
 fn too_large(error: &async_nats::jetstream::context::PublishError) -> bool {
@@ -616,6 +717,7 @@ fn too_large(error: &async_nats::jetstream::context::PublishError) -> bool {
             .is_some_and(|e| e.error_code() == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
 }
 
+/// The dead letter of a message on its last allowed delivery that has no final outcome.
 fn last_delivery_info(msg: &NatsMessage, why: &str) -> DeadLetterInfo {
     DeadLetterInfo {
         reason: DeadLetterReason::Exhausted,
@@ -712,7 +814,7 @@ async fn keep_alive<H, C, R>(common: &Common<H, C, R>, settles: &[Settle<'_, H, 
             .iter()
             .filter(|s| !s.settled.load(Ordering::Relaxed))
             .map(|s| async move {
-                match s.acker.ack_with(AckKind::Progress).await {
+                match within(s.acker.ack_with(AckKind::Progress)).await {
                     Ok(()) => RunnerStats::count(&common.stats.progress, m::PROGRESS),
                     Err(e) => {
                         let _in = s.span.enter();
@@ -822,7 +924,7 @@ where
         let sent = if confirmed {
             self.confirmed(kind).await
         } else {
-            self.acker.ack_with(kind).await
+            within(self.acker.ack_with(kind)).await
         };
         if let Err(e) = sent {
             RunnerStats::count(&self.common.stats.ack_failures, m::ACK_FAILURES);
@@ -851,15 +953,49 @@ where
         };
         let request = async_nats::Request::new()
             .payload(kind.into())
-            .timeout(Some(ACK_CONFIRM_TIMEOUT));
+            .timeout(Some(ACK_TIMEOUT));
         self.common.client.send_request(reply, request).await?;
         Ok(())
     }
 
-    /// Publishes to the dead-letter subject until a stream acknowledges it, then terminates the
-    /// message; stops (nak'ing the message) when the drain timed out.
+    /// Whether `msg` is itself a dead letter (it carries [`HEADER_REASON`]) that dead-lettering
+    /// to `subject` would send back to this consumer: `subject` is its own, or one the consumer
+    /// receives (the stream's subjects and the consumer's filter, as the server has them now).
+    async fn comes_back(&self, msg: &NatsMessage, subject: &str) -> bool {
+        let is_dead_letter = msg
+            .headers()
+            .is_some_and(|h| h.get(HEADER_REASON).is_some());
+        is_dead_letter
+            && (subject == msg.subject() || self.common.consumed_now().await.takes(subject))
+    }
+
+    /// Publishes to the dead-letter subject (cut short when too long for the server's protocol
+    /// line) until a stream acknowledges it, then terminates the message; stops (nak'ing the
+    /// message) when the drain timed out. A dead letter that came back to the consumer is
+    /// terminated instead ([`comes_back`](Self::comes_back)).
     async fn dead_letter_until_published(&self, msg: &NatsMessage, info: &DeadLetterInfo) {
         let common = self.common;
+        let (subject, cut) = common
+            .options
+            .dead_letter_subject
+            .for_subject_within(msg.subject(), common.max_subject);
+        if cut {
+            tracing::warn!(
+                subject_len = msg.subject().len(),
+                dead_letter_subject = %subject,
+                "subject too long: the dead-letter subject (the prefix and the message's subject) would make the publication longer than the server's protocol line (4,096 bytes; the server would close the connection), so it goes to the subject cut short; the original subject is in idem-dlq-source-subject"
+            );
+        }
+        if self.comes_back(msg, &subject).await {
+            RunnerStats::count(&common.stats.dead_letter_loops, m::DEAD_LETTER_LOOPS);
+            tracing::error!(
+                reason = info.reason.as_str(),
+                error = %broker::header_text(&info.error),
+                dead_letter_subject = %subject,
+                "a dead letter came back to the consumer (the source stream captures the dead-letter subject): terminated, not dead-lettered again, which would loop without end; it stays in the stream it was published to. Publish dead letters to subjects the source stream does not capture"
+            );
+            return self.send(AckKind::Term, true).await;
+        }
         let key_id = common.execution.key_id(msg);
         // Once the delivery is lost (the drain timed out) the time left is short: no store read
         // for the attempt count (the header is left out), the publication first.
@@ -883,10 +1019,6 @@ where
             )
         };
         let mut headers = headers_for(fit);
-        let subject = common
-            .options
-            .dead_letter_subject
-            .for_subject(msg.subject());
         loop {
             let publish = async {
                 common

@@ -24,6 +24,9 @@ pub mod metric_names {
     pub const ACK_FAILURES: &str = "idem_nats_ack_failures";
     /// Dead-letter publications that failed or were not acknowledged by a stream in time.
     pub const PUBLISH_FAILURES: &str = "idem_nats_publish_failures";
+    /// Dead letters that came back to the consumer (the source stream captures the dead-letter
+    /// subject) and were terminated rather than dead-lettered again, which would loop.
+    pub const DEAD_LETTER_LOOPS: &str = "idem_nats_dead_letter_loops";
     /// Pull requests that failed (the server unreachable, the consumer gone); each is sent again
     /// after a bounded delay.
     pub const STREAM_ERRORS: &str = "idem_nats_stream_errors";
@@ -47,6 +50,7 @@ pub struct RunnerStats {
     pub(crate) abandoned: AtomicU64,
     pub(crate) ack_failures: AtomicU64,
     pub(crate) publish_failures: AtomicU64,
+    pub(crate) dead_letter_loops: AtomicU64,
     pub(crate) stream_errors: AtomicU64,
 }
 
@@ -121,6 +125,12 @@ impl RunnerStats {
     /// Dead-letter publications that failed.
     pub fn publish_failures(&self) -> u64 {
         self.publish_failures.load(Ordering::Relaxed)
+    }
+
+    /// Dead letters received back from the source stream and terminated rather than
+    /// dead-lettered again ([`metric_names::DEAD_LETTER_LOOPS`]).
+    pub fn dead_letter_loops(&self) -> u64 {
+        self.dead_letter_loops.load(Ordering::Relaxed)
     }
 
     /// Pull requests that failed.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use idem_core::{AcquireRequest, IdempotencyStore, Namespace, RecordState};
 use idem_executor::{ExecutorConfig, HandlerContext, HandlerError, Message};
-use idem_nats::{NatsMessage, NatsRunner, RunnerOptions, RunnerStats};
+use idem_nats::{DeadLetterSubject, NatsMessage, NatsRunner, RunnerOptions, RunnerStats};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 fn options() -> RunnerOptions {
@@ -342,22 +342,61 @@ async fn a_consumer_refusing_the_runners_pulls_is_a_config_error() {
     delete_streams(&js, &name).await;
 }
 
-/// The consumer deleted while the runner runs: the runner creates it again (it is allowed to:
-/// the default) and goes on, the new consumer delivering the stream from its start and the store
-/// replaying what was done; not allowed to create it, the runner stops with an error. Before,
-/// it pulled in vain forever, with neither.
+/// Runs `runner` until it returns by itself (at most `timeout`); `None` (the runner aborted)
+/// when it did not.
+async fn returns_within(
+    mut task: tokio::task::JoinHandle<Result<(), idem_nats::RunnerError>>,
+    timeout: Duration,
+) -> Option<Result<(), idem_nats::RunnerError>> {
+    match tokio::time::timeout(timeout, &mut task).await {
+        Ok(joined) => Some(joined.expect("the runner task")),
+        Err(_) => {
+            task.abort();
+            None
+        }
+    }
+}
+
+/// The consumer deleted while the runner runs, after the store dropped the records of the
+/// messages it had processed (a short retention): the runner stops with
+/// `RunnerError::ConsumerDeleted` and no handler runs twice. Before, it created the consumer
+/// again, which delivered the stream from its start: every message ran its handler again (10
+/// runs for 5 messages).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_consumer_deleted_while_running_is_created_again_or_stops_the_runner() {
+async fn a_consumer_deleted_while_running_stops_the_runner_and_no_message_runs_twice() {
     let Some((client, js, name)) = streams_for("runner_consumer_deleted").await else {
         return;
     };
     let first: Vec<Msg> = (0..5).map(|i| Msg::keyed(&format!("a{i}"), "{}")).collect();
     publish(&js, &name, &first).await;
-    let store = shared(redis_store(&format!("{}:", unique("idem-nats-deleted"))).await);
-    let runner = plain_runner(client.clone(), &name, store.clone(), options());
+    let runs = Arc::new(std::sync::Mutex::new(BTreeMap::<String, u32>::new()));
+    let seen = Arc::clone(&runs);
+    let handler = move |_msg: NatsMessage, ctx: HandlerContext| {
+        let seen = Arc::clone(&seen);
+        async move {
+            let key = ctx.key().unwrap().id().to_owned();
+            *seen.lock().unwrap().entry(key).or_default() += 1;
+            Ok::<_, HandlerError>(())
+        }
+    };
+    // Records kept for 2 s: a message delivered again after that runs its handler again.
+    let config =
+        ExecutorConfig::new("nats-consumer-deleted").with_retention(Duration::from_secs(2));
+    let store = shared(idem_core::MemoryStore::new());
+    let runner = NatsRunner::builder(
+        client.clone(),
+        &name,
+        "workers",
+        executor(store, config),
+        handler,
+    )
+    .options(
+        options().with_reconnect_delays(Duration::from_millis(100), Duration::from_millis(500)),
+    )
+    .build()
+    .expect("runner");
     let stats = runner.stats();
-    let stop = CancellationToken::new();
-    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let task = tokio::spawn(runner.run(std::future::pending()));
     let s = Arc::clone(&stats);
     assert!(
         wait_for(Duration::from_secs(20), || {
@@ -367,40 +406,450 @@ async fn a_consumer_deleted_while_running_is_created_again_or_stops_the_runner()
         .await,
         "{stats:?}"
     );
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
     let stream = js.get_stream(&name).await.expect("stream");
     stream.delete_consumer("workers").await.expect("deleted");
-    let then: Vec<Msg> = (0..5).map(|i| Msg::keyed(&format!("b{i}"), "{}")).collect();
-    publish(&js, &name, &then).await;
-    let watched = Arc::clone(&stats);
-    let done = run_until(task, stop, Duration::from_secs(30), move || {
-        let s = Arc::clone(&watched);
-        Box::pin(async move { s.executed() == 10 && s.replayed() == 5 })
-    })
-    .await;
-    assert!(done, "created again, it went on: {stats:?}");
+    let ended = returns_within(task, Duration::from_secs(20)).await;
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 5, "{runs:?}");
+    assert!(
+        runs.values().all(|n| *n == 1),
+        "no handler runs twice: {runs:?} ({stats:?})"
+    );
+    match ended {
+        Some(Err(e @ idem_nats::RunnerError::ConsumerDeleted { .. })) => {
+            let text = e.to_string();
+            let idem_nats::RunnerError::ConsumerDeleted {
+                stream: s,
+                consumer,
+                ack_floor,
+            } = e
+            else {
+                unreachable!()
+            };
+            assert_eq!((s.as_str(), consumer.as_str()), (name.as_str(), "workers"));
+            assert!(ack_floor <= 5, "{ack_floor}");
+            assert!(
+                text.contains("workers") && text.contains("recreated by the operator"),
+                "{text}"
+            );
+        }
+        other => panic!("the runner stops with ConsumerDeleted: {other:?} ({stats:?})"),
+    }
+    assert!(
+        stream.consumer_info("workers").await.is_err(),
+        "the consumer was not created again"
+    );
+    delete_streams(&js, &name).await;
+}
 
-    // Not allowed to create it: the runner stops, with the server's answer.
+/// A consumer deleted and at once created again under the same name while the runner runs (by
+/// an operator, or by a runner starting elsewhere) is a new consumer whose position the runner
+/// cannot know: it stops with `RunnerError::ConsumerDeleted` too. The same with
+/// `create_consumer` off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_created_again_while_running_stops_the_runner() {
+    let Some((client, js, name)) = streams_for("runner_consumer_recreated").await else {
+        return;
+    };
+    let stream = js.get_stream(&name).await.expect("stream");
+    let config = async_nats::jetstream::consumer::pull::Config {
+        durable_name: Some("workers".into()),
+        ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+        ..Default::default()
+    };
+    stream
+        .create_consumer(config.clone())
+        .await
+        .expect("consumer");
+    let store = shared(redis_store(&format!("{}:", unique("idem-nats-recreated"))).await);
     let runner = plain_runner(client, &name, store, options().with_create_consumer(false));
     let task = tokio::spawn(runner.run(std::future::pending()));
-    let stream = js.get_stream(&name).await.expect("stream");
-    wait_for(Duration::from_secs(10), || {
+    let waiting = wait_for(Duration::from_secs(10), || {
         let stream = stream.clone();
         async move {
-            let mut c: async_nats::jetstream::consumer::PullConsumer =
-                stream.get_consumer("workers").await.expect("consumer");
-            c.info().await.is_ok_and(|i| i.num_waiting > 0)
+            stream
+                .consumer_info("workers")
+                .await
+                .is_ok_and(|i| i.num_waiting > 0)
         }
     })
     .await;
+    assert!(waiting, "the runner pulls");
     stream.delete_consumer("workers").await.expect("deleted");
-    let ended = tokio::time::timeout(Duration::from_secs(60), task)
-        .await
-        .expect("the runner stops")
-        .unwrap();
+    stream.create_consumer(config).await.expect("created again");
+    let ended = returns_within(task, Duration::from_secs(30)).await;
     assert!(
-        matches!(ended, Err(idem_nats::RunnerError::Nats { .. })),
+        matches!(
+            ended,
+            Some(Err(idem_nats::RunnerError::ConsumerDeleted { .. }))
+        ),
         "{ended:?}"
     );
+    delete_streams(&js, &name).await;
+}
+
+/// Runs a plain runner over `name`'s existing consumer "workers" with `config`, expecting a
+/// configuration error naming `field` at once.
+async fn refused_at_the_start(
+    client: async_nats::Client,
+    js: &async_nats::jetstream::Context,
+    name: &str,
+    config: async_nats::jetstream::consumer::pull::Config,
+    executor_config: ExecutorConfig,
+    field: &str,
+) {
+    let stream = js.get_stream(name).await.expect("stream");
+    stream.create_consumer(config).await.expect("consumer");
+    let store = shared(idem_core::MemoryStore::new());
+    let handler = |_msg: NatsMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
+    let runner = NatsRunner::builder(
+        client,
+        name,
+        "workers",
+        executor(store, executor_config),
+        handler,
+    )
+    .options(options())
+    .build()
+    .expect("runner");
+    let run = tokio::time::timeout(Duration::from_secs(10), runner.run(std::future::pending()));
+    match run.await {
+        Ok(Err(idem_nats::RunnerError::Config { field: f, reason })) => {
+            assert_eq!(f, field, "{reason}")
+        }
+        other => panic!("a config error naming {field} at once: {other:?}"),
+    }
+}
+
+/// A consumer with a `backoff` entry not above the executor's heartbeat interval is refused:
+/// the server makes each entry the ack deadline of a redelivery, under the progress acks' pace,
+/// and redelivered copies of a message whose handler still ran met the key in progress until
+/// `max_deliver`, one of them dead-lettered as exhausted while the original completed. One
+/// whose entries are all above the heartbeat runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_with_a_backoff_under_the_heartbeat_is_a_config_error() {
+    let Some((client, js, name)) = streams_for("runner_backoff").await else {
+        return;
+    };
+    let executor_config = || {
+        ExecutorConfig::new("nats-backoff")
+            .with_lease_ttl(Duration::from_secs(3))
+            .with_heartbeat_interval(Duration::from_secs(1))
+            .with_max_attempts(3)
+    };
+    let consumer = |backoff: Vec<Duration>| async_nats::jetstream::consumer::pull::Config {
+        durable_name: Some("workers".into()),
+        ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+        max_deliver: 10,
+        backoff,
+        ..Default::default()
+    };
+    let short = vec![Duration::from_secs(3), Duration::from_millis(500)];
+    refused_at_the_start(
+        client.clone(),
+        &js,
+        &name,
+        consumer(short),
+        executor_config(),
+        "backoff",
+    )
+    .await;
+    let stream = js.get_stream(&name).await.expect("stream");
+    stream.delete_consumer("workers").await.expect("deleted");
+    stream
+        .create_consumer(consumer(vec![
+            Duration::from_secs(3),
+            Duration::from_secs(2),
+        ]))
+        .await
+        .expect("consumer");
+    let handler = |_msg: NatsMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
+    let store = shared(idem_core::MemoryStore::new());
+    let runner = NatsRunner::builder(
+        client,
+        &name,
+        "workers",
+        executor(store, executor_config()),
+        handler,
+    )
+    .options(options())
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    publish(&js, &name, &[Msg::keyed("k1", "{}")]).await;
+    run_until_executed(&stats, 1, |stop| runner.run(stop)).await;
+    delete_streams(&js, &name).await;
+}
+
+/// A consumer that delivers headers only is refused: handlers ran on an empty payload, and
+/// dead letters carried it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_headers_only_consumer_is_a_config_error() {
+    let Some((client, js, name)) = streams_for("runner_headers_only").await else {
+        return;
+    };
+    let config = async_nats::jetstream::consumer::pull::Config {
+        durable_name: Some("workers".into()),
+        ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+        headers_only: true,
+        ..Default::default()
+    };
+    refused_at_the_start(
+        client,
+        &js,
+        &name,
+        config,
+        ExecutorConfig::new("nats-headers-only"),
+        "headers_only",
+    )
+    .await;
+    delete_streams(&js, &name).await;
+}
+
+/// A dead-letter subject the consumer itself receives (the source stream captures it and the
+/// filter lets it through) is refused at the start, fixed or prefixed: one poison message made
+/// thousands of dead letters a second. With a filter that keeps the dead letters out, the same
+/// subject is accepted (they are stored in the source stream, and the consumer never sees them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_subject_the_consumer_receives_is_a_config_error() {
+    let Some((client, js, name)) = streams_for("runner_dlq_loop").await else {
+        return;
+    };
+    let store = shared(idem_core::MemoryStore::new());
+    for dead_letters in [
+        DeadLetterSubject::Fixed(format!("{name}.dead")),
+        DeadLetterSubject::Prefix(format!("{name}.dlq.")),
+    ] {
+        let runner = plain_runner(
+            client.clone(),
+            &name,
+            store.clone(),
+            options().with_dead_letter_subject(dead_letters.clone()),
+        );
+        let run = tokio::time::timeout(Duration::from_secs(10), runner.run(std::future::pending()));
+        match run.await {
+            Ok(Err(idem_nats::RunnerError::Config { field, reason })) => {
+                assert_eq!(field, "dead_letter_subject", "{reason}");
+                assert!(reason.contains("come back"), "{reason}");
+            }
+            other => panic!("{dead_letters:?}: a config error at once: {other:?}"),
+        }
+        // (The runner created the consumer before checking it.)
+        let stream = js.get_stream(&name).await.expect("stream");
+        stream.delete_consumer("workers").await.expect("deleted");
+    }
+    // Filtered to `<name>.orders`, the consumer never receives `<name>.dead`.
+    publish(&js, &name, &[Msg::keyed("poison", "{}")]).await;
+    let handler = |_msg: NatsMessage, _ctx: HandlerContext| async {
+        Err::<(), _>(HandlerError::terminal("poison"))
+    };
+    let runner = NatsRunner::builder(
+        client,
+        &name,
+        "workers",
+        executor(store, ExecutorConfig::new("nats-dlq-loop")),
+        handler,
+    )
+    .options(
+        options()
+            .with_filter_subject(format!("{name}.orders"))
+            .with_dead_letter_subject(DeadLetterSubject::Fixed(format!("{name}.dead"))),
+    )
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let watched = Arc::clone(&stats);
+    let done = run_until(task, stop, Duration::from_secs(20), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.dead_lettered() == 1 })
+    })
+    .await;
+    assert!(done, "{stats:?}");
+    let stored = read_stream(&js, &name).await;
+    assert_eq!(stored.len(), 2, "the message and its dead letter");
+    assert_eq!(stored[1].subject, format!("{name}.dead"));
+    assert_eq!(stats.dead_lettered(), 1, "{stats:?}");
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
+/// The source stream made to capture the dead-letter subject while the runner runs: the dead
+/// letter that comes back (it carries `idem-dlq-reason`) is terminated, not dead-lettered
+/// again. Before, one poison message made thousands of dead letters a second, without end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_that_comes_back_is_terminated_not_dead_lettered_again() {
+    let Some((client, js, name)) = streams_for("runner_dlq_back").await else {
+        return;
+    };
+    let dead = format!("dlq.{name}.dead");
+    let handler = |_msg: NatsMessage, _ctx: HandlerContext| async {
+        Err::<(), _>(HandlerError::terminal("poison"))
+    };
+    let runner = NatsRunner::builder(
+        client,
+        &name,
+        "workers",
+        executor(
+            shared(idem_core::MemoryStore::new()),
+            ExecutorConfig::new("nats-dlq-back"),
+        ),
+        handler,
+    )
+    .options(options().with_dead_letter_subject(DeadLetterSubject::Fixed(dead.clone())))
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let pulling = wait_for(Duration::from_secs(10), || {
+        let js = js.clone();
+        let name = name.clone();
+        async move {
+            let s = js.get_stream(&name).await.expect("stream");
+            s.consumer_info("workers")
+                .await
+                .is_ok_and(|i| i.num_waiting > 0)
+        }
+    })
+    .await;
+    assert!(pulling, "the runner started");
+    // Now the source stream captures the dead-letter subject.
+    js.delete_stream(format!("{name}_dlq"))
+        .await
+        .expect("dead-letter stream deleted");
+    js.update_stream(async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.>"), dead.clone()],
+        storage: async_nats::jetstream::stream::StorageType::File,
+        ..Default::default()
+    })
+    .await
+    .expect("the source stream captures the dead letters");
+    publish(&js, &name, &[Msg::keyed("poison", "{}")]).await;
+    let watched = Arc::clone(&stats);
+    let settled = wait_for(Duration::from_secs(20), || {
+        let s = Arc::clone(&watched);
+        async move { s.dead_letter_loops() >= 1 || s.dead_lettered() > 20 }
+    })
+    .await;
+    // Time for a loop to show, had there been one.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let dead_lettered = stats.dead_lettered();
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("drained in time")
+        .unwrap()
+        .expect("run");
+    assert!(settled, "{stats:?}");
+    assert_eq!(dead_lettered, 1, "one dead letter, no loop: {stats:?}");
+    assert_eq!(stats.dead_letter_loops(), 1, "{stats:?}");
+    let stored = read_stream(&js, &name).await;
+    assert_eq!(stored.len(), 2, "the message and its one dead letter");
+    assert_eq!(stored[1].subject, dead);
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
+/// A message whose subject is so long that `dlq.` + subject would take the dead letter's
+/// publication over the server's 4,096-byte protocol line is dead-lettered to the subject cut
+/// short (`dlq.<stream>.idem-subject-too-long`), its subject whole in `idem-dlq-source-subject`.
+/// Before, the server closed the connection at every try (disrupting every ack and pull), and
+/// the runner tried again forever, holding the message and its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_subject_too_long_for_the_protocol_line_is_cut_short() {
+    let Some((client, js, name)) = streams_for("runner_long_subject").await else {
+        return;
+    };
+    // A core publication (no reply subject) within the line: `HPUB <subject> <sizes>`.
+    let subject = format!("{name}.{}", "a".repeat(4096 - 40 - name.len()));
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("idempotency-key", "long");
+    let producer = connect(&nats_url()).await;
+    producer
+        .publish_with_headers(subject.clone(), headers, "{}".into())
+        .await
+        .expect("published");
+    producer.flush().await.expect("flushed");
+    let stored = wait_for(Duration::from_secs(5), || {
+        let js = js.clone();
+        let name = name.clone();
+        async move {
+            let mut s = js.get_stream(&name).await.expect("stream");
+            s.info().await.expect("info").state.messages == 1
+        }
+    })
+    .await;
+    assert!(stored, "the stream holds the message");
+    let dead = dead_letter_the_one_message(client, &js, &name, "workers").await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].subject,
+        format!("dlq.{name}.{}", idem_nats::SUBJECT_TOO_LONG)
+    );
+    assert_eq!(
+        dead[0].header(idem_nats::HEADER_SOURCE_SUBJECT).as_deref(),
+        Some(subject.as_str())
+    );
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
+/// With `max_batch(1)` (the advice for handlers of mixed latencies), a slow handler holds only
+/// its own message and slot: the others run meanwhile. (In a group, every message of it waits
+/// for the slowest handler, and its slots with them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_max_batch_1_a_slow_handler_holds_back_no_other_message() {
+    let Some((client, js, name)) = streams_for("runner_slow_one").await else {
+        return;
+    };
+    let msgs: Vec<Msg> = (0..8).map(|i| Msg::keyed(&format!("k{i}"), "{}")).collect();
+    publish(&js, &name, &msgs).await;
+    let handler = |msg: NatsMessage, _ctx: HandlerContext| async move {
+        if msg.stream_sequence() == 1 {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+        Ok::<_, HandlerError>(())
+    };
+    let runner = NatsRunner::builder(
+        client,
+        &name,
+        "workers",
+        executor(
+            shared(idem_core::MemoryStore::new()),
+            ExecutorConfig::new("nats-slow-one"),
+        ),
+        handler,
+    )
+    .options(options().with_max_in_flight(4).with_max_batch(1))
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let started = Instant::now();
+    let s = Arc::clone(&stats);
+    let others = wait_for(Duration::from_secs(4), || {
+        let s = Arc::clone(&s);
+        async move { s.executed() == 7 }
+    })
+    .await;
+    let others_in = started.elapsed();
+    let watched = Arc::clone(&stats);
+    let all = run_until(task, stop, Duration::from_secs(20), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.executed() == 8 })
+    })
+    .await;
+    assert!(
+        others,
+        "the 7 others ran while the slow one did ({others_in:?}): {stats:?}"
+    );
+    assert!(all, "{stats:?}");
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
     delete_streams(&js, &name).await;
 }
 
