@@ -119,7 +119,7 @@ fn holds_a_double(v: &Value) -> bool {
 }
 
 /// Canonical JSON: object keys sorted, no whitespace.
-fn canonical(v: &Value, out: &mut Vec<u8>) {
+pub(crate) fn canonical(v: &Value, out: &mut Vec<u8>) {
     match v {
         Value::Object(map) => {
             let mut entries: Vec<_> = map.iter().collect();
