@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod backend;
 pub mod effects;
 pub mod faults;
 mod harness;

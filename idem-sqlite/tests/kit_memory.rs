@@ -175,3 +175,9 @@ fn the_guide_quotes_the_example_as_it_is() {
         "docs/custom-store.md quotes idem/examples/kit_memory.rs: update the quote"
     );
 }
+
+/// The guide's example backend keeps every rule of a kit backend, checked on the backend itself.
+#[tokio::test]
+async fn the_example_backend_keeps_the_kit_backend_rules() {
+    idem_conformance::backend::check_backend(&MapBackend::default(), "kit-memory").await;
+}

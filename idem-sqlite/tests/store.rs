@@ -563,3 +563,12 @@ async fn a_cursor_only_when_a_record_follows() {
     assert_eq!(rest.records.len(), 1);
     assert_eq!(rest.next, None);
 }
+
+/// The SQLite backend keeps every rule of a kit backend, checked on the backend itself (the
+/// store-level scenarios cannot see a version reused after a delete or a delete that does not
+/// compare).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backend_keeps_the_kit_backend_rules() {
+    let store = SqliteStore::open(db_path("backend-rules")).await.unwrap();
+    idem_conformance::backend::check_backend(store.backend(), "sqlite").await;
+}

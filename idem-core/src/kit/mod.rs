@@ -27,11 +27,15 @@
 //!   caller loaded (or is still absent, when the caller loaded nothing), atomically: two
 //!   writers that loaded the same version can never both succeed. This one rule is what makes
 //!   every transition atomic; a backend that checks the version and writes in two steps lets
-//!   two workers acquire the same key (conformance C02 and C19 catch it).
+//!   two workers acquire the same key (conformance C02 catches it for the insert of an absent
+//!   key, C19 for the update of a present one).
 //! - [`delete`](CasBackend::delete) removes a key only if it still holds the version given.
 //! - A version is never reused for a key, including after the key was deleted and written
 //!   again (a counter, a random 64-bit start, a server revision): otherwise a worker that loaded
 //!   a value just before a delete could overwrite the value written after it.
+//!
+//! `idem_conformance::backend::check_backend` checks these rules on a backend alone; no
+//! store-level scenario sees a version reused after a delete or a delete that does not compare.
 //! - Errors: [`Error::Unavailable`] when the backend could not be
 //!   reached or did not answer in time, so the operation may or may not have taken effect (the
 //!   kit then reloads, see below); [`Error::Backend`] when it answered
@@ -48,9 +52,9 @@
 //! `load`; `delete` is one `load` plus one `store` (a tombstone, below). A kit store therefore
 //! makes two requests where the shipped stores make one: fine for an embedded store or a
 //! key-value store on the same host, worth knowing for a remote one. Conformance C23 (one
-//! round trip per transition) does not fit a kit store; declare it
-//! [`in_process`](https://docs.rs/idem-conformance) with that reason, or count requests and
-//! expect two.
+//! round trip per transition) does not fit a kit store: declare it
+//! [`in_process`](https://docs.rs/idem-conformance) with that reason, and count its requests in
+//! a test of your own.
 //!
 //! **Version conflicts.** When `store` answers [`Cas::Conflict`] (someone else wrote the key
 //! between the load and the write), the kit loads again and decides again on what it finds, as
@@ -297,7 +301,8 @@ pub struct KitOptions {
     /// The size limits the store enforces. Default [`Limits::default`].
     pub limits: Limits,
     /// The clock leases and retention are judged on when the backend has none
-    /// ([`CasBackend::now`] answers `None`). Default [`SystemClock`].
+    /// ([`CasBackend::now`] answers `None`). Default [`SystemClock`]. Not used at all when the
+    /// backend answers a time: a [`ManualClock`](crate::ManualClock) set here then moves nothing.
     pub clock: Arc<dyn Clock>,
     /// Version conflicts one call accepts (reloading and deciding again after each) before it
     /// answers `Unavailable` with [`Contended`]. Default 16.
@@ -330,7 +335,8 @@ impl KitOptions {
         self
     }
 
-    /// Sets the client clock (a [`ManualClock`](crate::ManualClock) in tests).
+    /// Sets the client clock (a [`ManualClock`](crate::ManualClock) in tests), used when the
+    /// backend has no clock of its own ([`CasBackend::now`] answers `None`).
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self
