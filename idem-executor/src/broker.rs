@@ -559,97 +559,137 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
         H: Handler<M, R::Returns<T>>,
         T: Serialize + DeserializeOwned + Send + 'static,
     {
+        let mut steps: Vec<Option<Step<T>>> =
+            std::iter::repeat_with(|| None).take(msgs.len()).collect();
+        self.try_batch_each(msgs, lost, timeouts, |index, step| {
+            steps[index] = Some(step)
+        })
+        .await;
+        steps
+            .into_iter()
+            .map(|step| step.expect("try_batch_each gives every message one step"))
+            .collect()
+    }
+
+    /// [`try_batch`](Self::try_batch), handing each message's [`Step`] to `each` (with its
+    /// index in `msgs`) as soon as it is known ([`Executor::run_batch_each`]) rather than all at
+    /// the end, so that a runner can settle each message with its broker (and free its slot)
+    /// while the slower handlers of the batch still run. `each` is called exactly once per
+    /// message before this returns; the steps are those `try_batch` gives (the messages still
+    /// unanswered when the call is dropped are [`Step::Abandoned`] then).
+    pub async fn try_batch_each<M, T, E>(
+        &self,
+        msgs: &[M],
+        lost: &CancellationToken,
+        timeouts: LostTimeouts,
+        mut each: E,
+    ) where
+        M: Message + Clone + Send + Sync + 'static,
+        H: Handler<M, R::Returns<T>>,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: FnMut(usize, Step<T>),
+    {
         let attempts: Vec<AtomicU32> = msgs.iter().map(|_| AtomicU32::new(0)).collect();
         let released: Vec<AtomicBool> = msgs.iter().map(|_| AtomicBool::new(false)).collect();
+        let mut answered = vec![false; msgs.len()];
         let (attempts_ref, released_ref) = (&attempts, &released);
-        let call = self.executor.run_batch(msgs, |i, ctx| {
-            attempts_ref[i].store(ctx.attempt(), Ordering::Relaxed);
-            let handler = Arc::clone(&self.handler);
-            let store = self.executor.store().clone();
-            let record = msgs[i].clone();
-            let watched = lost.clone();
-            async move {
-                if !watched.is_cancelled() {
-                    let cancel = ctx.cancellation_token().clone();
-                    return watch_handler(
-                        handler.call(record, ctx),
-                        cancel,
-                        &watched,
-                        timeouts.orphan,
-                    )
-                    .await;
+        let step_of = |index: usize, result| {
+            if released_ref[index].load(Ordering::Relaxed) {
+                Step::Abandoned {
+                    lease_released: true,
                 }
-                // Lost before the handler was called: give the key back without counting an
-                // attempt; the failure reported next is refused on the released lease.
-                if release_unstarted(
-                    &store,
-                    &ctx,
-                    timeouts.release,
-                    "recording a retryable failure instead",
-                )
-                .await
-                {
-                    released_ref[i].store(true, Ordering::Relaxed);
+            } else {
+                Step::Done {
+                    result,
+                    attempt: attempts_ref[index].load(Ordering::Relaxed),
                 }
-                Err(HandlerError::retryable(
-                    "the delivery was lost before the handler started",
-                ))
             }
-        });
+        };
+        let answered_ref = &mut answered;
+        let each_ref = &mut each;
+        let call = self.executor.run_batch_each(
+            msgs,
+            |i, ctx| {
+                attempts_ref[i].store(ctx.attempt(), Ordering::Relaxed);
+                let handler = Arc::clone(&self.handler);
+                let store = self.executor.store().clone();
+                let record = msgs[i].clone();
+                let watched = lost.clone();
+                async move {
+                    if !watched.is_cancelled() {
+                        let cancel = ctx.cancellation_token().clone();
+                        return watch_handler(
+                            handler.call(record, ctx),
+                            cancel,
+                            &watched,
+                            timeouts.orphan,
+                        )
+                        .await;
+                    }
+                    // Lost before the handler was called: give the key back without counting an
+                    // attempt; the failure reported next is refused on the released lease.
+                    if release_unstarted(
+                        &store,
+                        &ctx,
+                        timeouts.release,
+                        "recording a retryable failure instead",
+                    )
+                    .await
+                    {
+                        released_ref[i].store(true, Ordering::Relaxed);
+                    }
+                    Err(HandlerError::retryable(
+                        "the delivery was lost before the handler started",
+                    ))
+                }
+            },
+            |index, result| {
+                answered_ref[index] = true;
+                each_ref(index, step_of(index, result));
+            },
+        );
         let lost = lost.clone();
         let deadline = async move {
             lost.cancelled().await;
             tokio::time::sleep(timeouts.orphan.mul_f64(0.9)).await;
         };
-        let results = tokio::select! {
+        let ended = tokio::select! {
             biased;
-            results = call => Some(results),
+            ended = call => Some(ended),
             () = deadline => None,
         };
-        let Some(results) = results else {
-            tracing::warn!(
-                messages = msgs.len(),
-                "delivery lost: the executor batch did not end in time and is dropped; its leases not released expire and the next owners take them over"
-            );
-            return released
-                .into_iter()
-                .map(|released| Step::Abandoned {
-                    lease_released: released.into_inner(),
-                })
-                .collect();
-        };
-        let results = match results {
-            Ok(results) => results,
-            Err(e) => {
+        match ended {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
                 let retry_after = self.executor.config().retry_delay;
-                msgs.iter()
-                    .map(|_| {
-                        Err(ExecutorError::Store {
-                            stage: StoreStage::Acquire,
-                            handler_ran: false,
-                            retry_after,
-                            source: idem_core::Error::invalid("batch", e.to_string()),
-                        })
-                    })
-                    .collect()
+                for index in 0..msgs.len() {
+                    let result = Err(ExecutorError::Store {
+                        stage: StoreStage::Acquire,
+                        handler_ran: false,
+                        retry_after,
+                        source: idem_core::Error::invalid("batch", e.to_string()),
+                    });
+                    each(index, step_of(index, result));
+                }
             }
-        };
-        results
-            .into_iter()
-            .zip(attempts.into_iter().zip(released))
-            .map(|(result, (attempt, released))| {
-                if released.into_inner() {
-                    Step::Abandoned {
-                        lease_released: true,
-                    }
-                } else {
-                    Step::Done {
-                        result,
-                        attempt: attempt.into_inner(),
+            None => {
+                let left = answered.iter().filter(|done| !**done).count();
+                tracing::warn!(
+                    messages = left,
+                    "delivery lost: the executor batch did not end in time and is dropped; its leases not released expire and the next owners take them over"
+                );
+                for (index, done) in answered.iter().enumerate() {
+                    if !done {
+                        each(
+                            index,
+                            Step::Abandoned {
+                                lease_released: released[index].load(Ordering::Relaxed),
+                            },
+                        );
                     }
                 }
-            })
-            .collect()
+            }
+        }
     }
 
     /// The largest batch [`try_batch`](Self::try_batch) takes: the store's

@@ -947,3 +947,71 @@ async fn a_batch_dropped_before_a_handler_ran_gives_its_key_back() {
         "no attempt counted for the handler that never ran"
     );
 }
+
+/// `run_batch_each` hands each message's result over as soon as it is recorded: the fast
+/// messages' results (their completions in the store) arrive while the slow handler still runs,
+/// and every message gets exactly one result, the one `run_batch` gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_batch_each_hands_over_each_result_once_it_is_recorded() {
+    let store = MemoryStore::new();
+    let exec = Executor::new(Arc::new(store.clone()), config()).unwrap();
+    let msgs = vec![
+        msg("slow", "slow"),
+        msg("a", "a"),
+        msg("b", "b"),
+        msg("c", "c"),
+    ];
+    let (release, released) = oneshot::channel::<()>();
+    let released = futures::future::FutureExt::shared(async move {
+        let _ = released.await;
+    });
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let handler = |i: usize, _ctx| {
+        let released = released.clone();
+        async move {
+            if i == 0 {
+                released.await;
+            }
+            Ok::<_, HandlerError>(i)
+        }
+    };
+    let run = exec.run_batch_each(&msgs, handler, move |i, result| {
+        seen_tx.send((i, result)).unwrap();
+    });
+    let watch = async {
+        let mut fast = Vec::new();
+        while fast.len() < 3 {
+            let next = tokio::time::timeout(Duration::from_secs(10), seen.recv()).await;
+            let (i, result) = next
+                .expect("the fast results are handed over while the slow handler runs")
+                .unwrap();
+            assert!(
+                matches!(result, Ok(Outcome::Executed(n)) if n == i),
+                "{i}: {result:?}"
+            );
+            fast.push(i);
+        }
+        fast.sort_unstable();
+        assert_eq!(
+            fast,
+            [1, 2, 3],
+            "the fast ones first, the slow one still running"
+        );
+        let ns = idem_core::Namespace::new("batch").unwrap();
+        for key in ["a", "b", "c"] {
+            let record = store.get(&ns.key(key).unwrap()).await.unwrap().unwrap();
+            assert!(
+                matches!(record.state, RecordState::Completed { .. }),
+                "{key} is recorded before its result is handed over: {record:?}"
+            );
+        }
+        release.send(()).unwrap();
+        let (i, result) = seen.recv().await.unwrap();
+        assert_eq!(i, 0);
+        assert!(matches!(result, Ok(Outcome::Executed(0))), "{result:?}");
+        seen
+    };
+    let (ran, mut seen) = tokio::join!(run, watch);
+    ran.unwrap();
+    assert!(seen.recv().await.is_none(), "one result per message");
+}

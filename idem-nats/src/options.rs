@@ -128,14 +128,10 @@ pub struct RunnerOptions {
     /// most the store's [`max_batch`](idem_core::Limits::max_batch)). The
     /// messages a pull has brought and that are at hand together form a group: their keys are
     /// acquired in one store call, their handlers run concurrently, their results are recorded
-    /// in grouped calls, and each message is settled once the whole group has its outcomes
-    /// (progress acks hold every message of the group meanwhile). So a slow handler holds every
-    /// message of its group, and their slots, until it returns; a group holding half of
-    /// [`max_in_flight`](Self::max_in_flight) or more stops the runner pulling meanwhile (see
-    /// the crate docs, "What happens to a message"). `1` runs and settles each message on its
-    /// own, freeing its slot as soon as its outcome is recorded (two store round trips per
-    /// message; a slow handler then holds back no other message): the setting for handlers of
-    /// mixed latencies.
+    /// in grouped calls, and each message is settled, its slot freed, as soon as its own outcome
+    /// is recorded (a slow handler holds back no other message; see the crate docs, "What
+    /// happens to a message"). `1` runs each message on its own: two store round trips per
+    /// message.
     pub max_batch: usize,
     /// How long one pull request waits for messages (default 1 s; at least 1 ms): the idle pace
     /// of pull requests, and the longest a shutdown waits for the pull in flight.

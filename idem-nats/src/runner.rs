@@ -729,8 +729,9 @@ fn last_delivery_info(msg: &NatsMessage, why: &str) -> DeadLetterInfo {
     }
 }
 
-/// Processes a group of messages to their end: one executor batch, then each message settled;
-/// a progress ack for every message not yet settled at each heartbeat interval meanwhile.
+/// Processes a group of messages to their end: one executor batch, each message settled as soon
+/// as its outcome is known; a progress ack for every message not yet settled at each heartbeat
+/// interval meanwhile.
 async fn deliver<H, T, C, R>(
     common: Arc<Common<H, C, R>>,
     group: Vec<(async_nats::jetstream::Message, Option<OwnedSemaphorePermit>)>,
@@ -773,32 +774,60 @@ async fn deliver<H, T, C, R>(
         msgs.push(msg);
     }
     let settles = &settles;
+    let msgs = &msgs;
     let work = async {
         let timeouts = common.options.lost_timeouts();
-        let steps = common
+        // Each message is settled as soon as its step is known (its completion recorded), not
+        // once the whole group's are: a slow handler holds back only its own message.
+        let (steps, known) = futures::channel::mpsc::unbounded();
+        let batch = common
             .execution
-            .try_batch::<_, T>(&msgs, &lost, timeouts)
-            .instrument(tracing::debug_span!("idem_nats_batch", stream = %common.stream, messages = msgs.len()))
-            .await;
-        let each = settles
-            .iter()
-            .zip(&msgs)
-            .zip(steps)
-            .map(|((settle, msg), step)| {
-                let span = settle.span.clone();
-                async move {
-                    settle.settle::<T>(msg, step).await;
-                    settle.settled.store(true, Ordering::Relaxed);
+            .try_batch_each::<_, T, _>(msgs, &lost, timeouts, move |index, step| {
+                // The receiver lives until every step is settled.
+                let _ = steps.unbounded_send((index, step));
+            })
+            .instrument(tracing::debug_span!("idem_nats_batch", stream = %common.stream, messages = msgs.len()));
+        let settling = async move {
+            let mut known = known;
+            let mut running = futures::stream::FuturesUnordered::new();
+            loop {
+                tokio::select! {
+                    next = known.next() => match next {
+                        Some((index, step)) => {
+                            running.push(settle_one::<H, T, C, R>(&settles[index], &msgs[index], step));
+                        }
+                        None => break,
+                    },
+                    Some(()) = running.next(), if !running.is_empty() => {}
                 }
-                .instrument(span)
-            });
-        futures::future::join_all(each).await;
+            }
+            while running.next().await.is_some() {}
+        };
+        futures::future::join(batch, settling).await;
     };
     tokio::select! {
         biased;
         () = work => {}
         () = keep_alive(&common, settles) => {}
     }
+}
+
+/// Settles one message of a group with its step, in its span, and marks it settled.
+async fn settle_one<H, T, C, R>(settle: &Settle<'_, H, C, R>, msg: &NatsMessage, step: Step<T>)
+where
+    H: Handler<NatsMessage, R::Returns<T>>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    let span = settle.span.clone();
+    async {
+        settle.settle::<T>(msg, step).await;
+        settle.settled.store(true, Ordering::Relaxed);
+    }
+    .instrument(span)
+    .await;
 }
 
 /// Sends a progress ack for every message of `settles` not yet settled at every heartbeat

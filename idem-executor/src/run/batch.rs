@@ -172,6 +172,40 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
         T: Serialize + DeserializeOwned,
     {
+        let mut results: Vec<Option<BatchResult<T>>> =
+            std::iter::repeat_with(|| None).take(msgs.len()).collect();
+        self.run_batch_each(msgs, handler, |index, result| results[index] = Some(result))
+            .await?;
+        Ok(results
+            .into_iter()
+            .map(|result| result.expect("run_batch_each answers every message once"))
+            .collect())
+    }
+
+    /// [`run_batch`](Self::run_batch), handing each message's result to `each` (with the
+    /// message's index in `msgs`) as soon as it is known, its completion or failure recorded,
+    /// instead of all of them at the end: a caller that settles messages with a broker (an
+    /// acknowledgement) need not hold the fast ones until the slowest handler of the batch is
+    /// done. The results of messages that share a key come together, once the last of them is
+    /// known (they run one after the other). `each` is called exactly once per message, before
+    /// this returns `Ok`; the results are those `run_batch` gives.
+    ///
+    /// # Errors
+    /// As [`run_batch`](Self::run_batch): [`BatchError::TooLarge`], and then `each` is never
+    /// called.
+    pub async fn run_batch_each<M, F, Fut, T, E>(
+        &self,
+        msgs: &[M],
+        handler: F,
+        mut each: E,
+    ) -> Result<(), BatchError>
+    where
+        M: Message,
+        F: Fn(usize, HandlerContext) -> Fut,
+        Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
+        T: Serialize + DeserializeOwned,
+        E: FnMut(usize, BatchResult<T>),
+    {
         let inner = &self.inner;
         let max = inner.store.limits().max_batch;
         if msgs.len() > max {
@@ -181,7 +215,7 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
             });
         }
         if msgs.is_empty() {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let queue = RecordQueue {
@@ -198,7 +232,12 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
             .collect();
         let work = futures::stream::iter(runs)
             .buffer_unordered(inner.config.batch.concurrency)
-            .collect::<Vec<_>>();
+            .for_each(|chain| {
+                for (index, result) in chain {
+                    each(index, result);
+                }
+                future::ready(())
+            });
         let flush = async {
             flush_records(
                 &inner.store,
@@ -212,13 +251,10 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         };
         // Every record is answered before its message's outcome is known, so the flusher has
         // nothing left to send once the work is done.
-        let done = match future::select(pin!(work), pin!(flush)).await {
-            Either::Left((done, _)) => done,
+        match future::select(pin!(work), pin!(flush)).await {
+            Either::Left(((), _)) => Ok(()),
             Either::Right((never, _)) => match never {},
-        };
-        let mut results: Vec<(usize, BatchResult<T>)> = done.into_iter().flatten().collect();
-        results.sort_unstable_by_key(|(index, _)| *index);
-        Ok(results.into_iter().map(|(_, result)| result).collect())
+        }
     }
 
     /// Reads every message's key, acquires the first message of each key in one call, and
