@@ -30,11 +30,10 @@ pub struct RunnerOptions {
     /// arrives form a group, in a task of its own: their keys are acquired in one store call,
     /// their handlers run concurrently (up to the executor's batch concurrency; those of one key
     /// one after the other), their results are recorded in grouped calls, and each delivery is
-    /// settled (ack, retry or dead letter) once the whole group has its outcomes. So a slow
-    /// handler holds back its group's acknowledgements and prefetch slots, and copies of one key
-    /// in a group run their handlers back to back (see the README's "Consumer timeout"). `1`
-    /// runs and settles each delivery on its own (two store round trips per message): the
-    /// choice for handlers that take minutes.
+    /// settled (ack, retry or dead letter) as soon as its own outcome is recorded, so a slow
+    /// handler holds back no other delivery. Copies of one key in a group run their handlers
+    /// back to back (see the README's "Consumer timeout"). `1` runs each delivery on its own (two
+    /// store round trips per message).
     pub max_batch: usize,
     /// Shortest delay of a retry (default 100 ms; at least 1 ms, the unit of a message's
     /// expiration), so a hint of zero never spins.

@@ -584,8 +584,8 @@ where
 /// Why the consumer ended when the broker cancelled it.
 const CANCELLED: &str = "the broker cancelled the consumer (queue deleted?)";
 
-/// Processes a group of deliveries to their ends: one executor batch, then each one's ack,
-/// delayed retry or dead letter (all at once).
+/// Processes a group of deliveries to their ends: one executor batch, each delivery's ack,
+/// delayed retry or dead letter sent as soon as its outcome is recorded.
 async fn deliver<H, T, C, R>(
     common: Arc<Common<H, C, R>>,
     publisher: Arc<Publisher>,
@@ -612,37 +612,86 @@ async fn deliver<H, T, C, R>(
         deliveries = msgs.len(),
         first_delivery_tag = msgs[0].delivery_tag(),
     );
-    let steps = common
+    // Each delivery is settled as soon as its step is known (its completion recorded), not once
+    // the whole group's are: a slow handler holds back only its own delivery.
+    let (steps, known) = futures::channel::mpsc::unbounded();
+    let ackers: Vec<std::sync::Mutex<Option<Acker>>> = ackers
+        .into_iter()
+        .map(|acker| std::sync::Mutex::new(Some(acker)))
+        .collect();
+    let batch = common
         .execution
-        .try_batch(&msgs, &lost, common.options.lost_timeouts())
-        .instrument(span)
-        .await;
-    let settled = msgs
-        .iter()
-        .zip(ackers)
-        .zip(steps)
-        .map(|((msg, acker), step)| {
-            let span = tracing::debug_span!(
-                "idem_amqp_delivery",
-                queue = %common.queue,
-                delivery_tag = msg.delivery_tag(),
-                redelivered = msg.redelivered(),
-                outcome = tracing::field::Empty,
-            );
-            let delivery = Delivery {
-                common: &common,
-                publisher: &publisher,
-                acker,
-                lost: &lost,
-            };
-            let unsettled = &unsettled;
-            async move {
-                delivery.settle::<T>(msg, step).await;
-                unsettled.fetch_sub(1, Ordering::Relaxed);
+        .try_batch_each(
+            &msgs,
+            &lost,
+            common.options.lost_timeouts(),
+            move |index, step| {
+                // The receiver lives until every step is settled.
+                let _ = steps.unbounded_send((index, step));
+            },
+        )
+        .instrument(span);
+    let settling = async {
+        let mut known = known;
+        let mut running = futures::stream::FuturesUnordered::new();
+        loop {
+            tokio::select! {
+                next = known.next() => match next {
+                    Some((index, step)) => {
+                        let acker = ackers[index]
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .take()
+                            .expect("one step per delivery");
+                        running.push(settle_one::<H, T, C, R>(
+                            &common, &publisher, &lost, &unsettled, &msgs[index], acker, step,
+                        ));
+                    }
+                    None => break,
+                },
+                Some(()) = running.next(), if !running.is_empty() => {}
             }
-            .instrument(span)
-        });
-    futures::future::join_all(settled).await;
+        }
+        while running.next().await.is_some() {}
+    };
+    futures::future::join(batch, settling).await;
+}
+
+/// Settles one delivery of a group with its step, in its span.
+async fn settle_one<H, T, C, R>(
+    common: &Common<H, C, R>,
+    publisher: &Publisher,
+    lost: &CancellationToken,
+    unsettled: &AtomicUsize,
+    msg: &AmqpMessage,
+    acker: Acker,
+    step: Step<T>,
+) where
+    H: Handler<AmqpMessage, R::Returns<T>>,
+    T: Serialize + DeserializeOwned + Send + 'static,
+    R::Returns<T>: Send + 'static,
+    C: Codec,
+    R: Recorder,
+{
+    let span = tracing::debug_span!(
+        "idem_amqp_delivery",
+        queue = %common.queue,
+        delivery_tag = msg.delivery_tag(),
+        redelivered = msg.redelivered(),
+        outcome = tracing::field::Empty,
+    );
+    let delivery = Delivery {
+        common,
+        publisher,
+        acker,
+        lost,
+    };
+    async move {
+        delivery.settle::<T>(msg, step).await;
+        unsettled.fetch_sub(1, Ordering::Relaxed);
+    }
+    .instrument(span)
+    .await;
 }
 
 struct Delivery<'a, H, C, R> {

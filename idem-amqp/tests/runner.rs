@@ -1072,3 +1072,69 @@ async fn a_dead_letter_refused_for_a_minute_is_given_back_and_dead_lettered_agai
         Some("failed")
     );
 }
+
+/// A slow handler holds only its own delivery and prefetch slot: each delivery of a group is
+/// settled as soon as its outcome is recorded, so the others of its group are acked at once and
+/// the broker sends the next deliveries into their slots. Before, every delivery of a group was
+/// settled when its slowest handler returned, and the others of its group waited for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_handler_holds_back_no_other_delivery_of_its_group() {
+    if !amqp_and_redis() {
+        return;
+    }
+    init_tracing();
+    let url = amqp_url();
+    let topology = topology("slow-one", QueueType::Classic);
+    declare(&url, &topology).await;
+    // The first deliveries arrive together and form one group; the slow one is among them.
+    let msgs: Vec<Msg> = (0..16)
+        .map(|i| Msg::keyed(&format!("k{i}"), if i == 3 { "slow" } else { "fast" }))
+        .collect();
+    publish(&url, &topology.queue, &msgs).await;
+    let handler = |msg: AmqpMessage, _ctx: HandlerContext| async move {
+        if msg.payload() == b"slow" {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+        Ok::<_, HandlerError>(())
+    };
+    let runner = AmqpRunner::builder(
+        &url,
+        topology.clone(),
+        executor(
+            shared(idem_core::MemoryStore::new()),
+            ExecutorConfig::new("amqp-slow-one"),
+        ),
+        handler,
+    )
+    .options(options().with_prefetch(8))
+    .build()
+    .expect("runner");
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    let s = Arc::clone(&stats);
+    let others = wait_for(Duration::from_secs(4), || {
+        let s = Arc::clone(&s);
+        async move { s.executed() >= 15 }
+    })
+    .await;
+    let s = Arc::clone(&stats);
+    let all = wait_for(Duration::from_secs(20), || {
+        let s = Arc::clone(&s);
+        async move { s.executed() == 16 }
+    })
+    .await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("drained in time")
+        .unwrap()
+        .expect("run");
+    assert!(
+        others,
+        "the 15 others ran while the slow one did: {stats:?}"
+    );
+    assert!(all, "{stats:?}");
+    assert_eq!(queue_state(&url, &topology.queue).await, (0, 0));
+    cleanup(&url, &topology).await;
+}
