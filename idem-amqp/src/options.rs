@@ -31,9 +31,9 @@ pub struct RunnerOptions {
     /// their handlers run concurrently (up to the executor's batch concurrency; those of one key
     /// one after the other), their results are recorded in grouped calls, and each delivery is
     /// settled (ack, retry or dead letter) as soon as its own outcome is recorded, so a slow
-    /// handler holds back no other delivery. Copies of one key in a group run their handlers
-    /// back to back (see the README's "Consumer timeout"). `1` runs each delivery on its own (two
-    /// store round trips per message).
+    /// handler holds back no other delivery beyond the executor's batch concurrency. Copies of
+    /// one key in a group run their handlers back to back (see the README's "Consumer
+    /// timeout"). `1` runs each delivery on its own (two store round trips per message).
     pub max_batch: usize,
     /// Shortest delay of a retry (default 100 ms; at least 1 ms, the unit of a message's
     /// expiration), so a hint of zero never spins.

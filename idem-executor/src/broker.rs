@@ -543,8 +543,8 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
     /// lease expired would count it, and the key is free at once).
     ///
     /// Once `lost` is cancelled the whole call gets most of the orphan timeout; then it is
-    /// dropped and every message is [`Step::Abandoned`] (the leases not released left to
-    /// expire).
+    /// dropped and every message without a result yet is [`Step::Abandoned`] (the leases not
+    /// released left to expire); those whose results were recorded before keep them.
     ///
     /// `msgs` holds at most [`max_batch`](Self::max_batch) messages; a larger slice gets a
     /// [`ExecutorError::Store`] per message (stage acquire, handler not run).
@@ -575,8 +575,13 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
     /// index in `msgs`) as soon as it is known ([`Executor::run_batch_each`]) rather than all at
     /// the end, so that a runner can settle each message with its broker (and free its slot)
     /// while the slower handlers of the batch still run. `each` is called exactly once per
-    /// message before this returns; the steps are those `try_batch` gives (the messages still
-    /// unanswered when the call is dropped are [`Step::Abandoned`] then).
+    /// message before this returns; the steps are those `try_batch` gives (the messages without
+    /// a result when the executor call is dropped, most of the orphan timeout after `lost`, are
+    /// [`Step::Abandoned`] then). If the caller drops this future itself, the messages not
+    /// handed over yet get no step at all: the broker's redelivery is theirs.
+    ///
+    /// `each` runs inside the batch's poll, between the handlers' steps: it must return at once
+    /// (hand the step to a channel, as the NATS and RabbitMQ runners do) and must not panic.
     pub async fn try_batch_each<M, T, E>(
         &self,
         msgs: &[M],

@@ -1015,3 +1015,43 @@ async fn run_batch_each_hands_over_each_result_once_it_is_recorded() {
     ran.unwrap();
     assert!(seen.recv().await.is_none(), "one result per message");
 }
+
+/// Within one key the results come one by one too: the first copy's result (a retryable failure,
+/// recorded) is handed over before the second copy's handler, the next attempt, ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_batch_each_hands_over_a_keys_first_copy_before_its_second_ends() {
+    let exec = Executor::new(Arc::new(MemoryStore::new()), config()).unwrap();
+    let msgs = vec![msg("k", "same"), msg("k", "same")];
+    let (release, released) = oneshot::channel::<()>();
+    let released = futures::future::FutureExt::shared(async move {
+        let _ = released.await;
+    });
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let handler = |i: usize, _ctx| {
+        let released = released.clone();
+        async move {
+            if i == 0 {
+                return Err(HandlerError::retryable("flaky"));
+            }
+            released.await;
+            Ok::<_, HandlerError>(i)
+        }
+    };
+    let run = exec.run_batch_each(&msgs, handler, move |i, result| {
+        seen_tx.send((i, result)).unwrap();
+    });
+    let watch = async {
+        let first = tokio::time::timeout(Duration::from_secs(10), seen.recv()).await;
+        let (i, result) = first
+            .expect("the first copy's result is handed over while the second runs")
+            .unwrap();
+        assert_eq!(i, 0);
+        assert!(matches!(result, Ok(Outcome::Retry { .. })), "{result:?}");
+        release.send(()).unwrap();
+        let (i, result) = seen.recv().await.unwrap();
+        assert_eq!(i, 1);
+        assert!(matches!(result, Ok(Outcome::Executed(1))), "{result:?}");
+    };
+    let (ran, ()) = tokio::join!(run, watch);
+    ran.unwrap();
+}

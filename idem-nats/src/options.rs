@@ -129,9 +129,9 @@ pub struct RunnerOptions {
     /// messages a pull has brought and that are at hand together form a group: their keys are
     /// acquired in one store call, their handlers run concurrently, their results are recorded
     /// in grouped calls, and each message is settled, its slot freed, as soon as its own outcome
-    /// is recorded (a slow handler holds back no other message; see the crate docs, "What
-    /// happens to a message"). `1` runs each message on its own: two store round trips per
-    /// message.
+    /// is recorded (a slow handler holds back no other message beyond the executor's batch
+    /// concurrency; see the crate docs, "What happens to a message"). `1` runs each message on
+    /// its own: two store round trips per message.
     pub max_batch: usize,
     /// How long one pull request waits for messages (default 1 s; at least 1 ms): the idle pace
     /// of pull requests, and the longest a shutdown waits for the pull in flight.

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -186,9 +186,13 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
     /// message's index in `msgs`) as soon as it is known, its completion or failure recorded,
     /// instead of all of them at the end: a caller that settles messages with a broker (an
     /// acknowledgement) need not hold the fast ones until the slowest handler of the batch is
-    /// done. The results of messages that share a key come together, once the last of them is
-    /// known (they run one after the other). `each` is called exactly once per message, before
-    /// this returns `Ok`; the results are those `run_batch` gives.
+    /// done. A message that shares its key with an earlier one of the batch runs after it, so
+    /// its result comes after that one's. `each` is called exactly once per message, before this
+    /// returns `Ok`; the results are those `run_batch` gives.
+    ///
+    /// `each` runs inside the batch's poll, between the handlers' steps: it must return at once
+    /// (hand the result to a channel) and must not panic, or the batch's other handlers are
+    /// held, or dropped mid-effect.
     ///
     /// # Errors
     /// As [`run_batch`](Self::run_batch): [`BatchError::TooLarge`], and then `each` is never
@@ -197,7 +201,7 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         &self,
         msgs: &[M],
         handler: F,
-        mut each: E,
+        each: E,
     ) -> Result<(), BatchError>
     where
         M: Message,
@@ -226,18 +230,15 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         let handler = &handler;
         // The futures are built before the stream (not by a closure it holds across awaits), so
         // that the whole call is `Send` whenever the handler's futures are.
+        let each = Mutex::new(each);
+        let each = &each;
         let runs: Vec<_> = chains
             .into_iter()
-            .map(|chain| self.run_chain(chain, handler))
+            .map(|chain| self.run_chain(chain, handler, each))
             .collect();
         let work = futures::stream::iter(runs)
             .buffer_unordered(inner.config.batch.concurrency)
-            .for_each(|chain| {
-                for (index, result) in chain {
-                    each(index, result);
-                }
-                future::ready(())
-            });
+            .for_each(|()| future::ready(()));
         let flush = async {
             flush_records(
                 &inner.store,
@@ -366,30 +367,33 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
     }
 
     /// Runs the messages of one chain in order: one outcome per message, with its index.
-    async fn run_chain<F, Fut, T>(
-        &self,
-        chain: Chain<'_>,
-        handler: &F,
-    ) -> Vec<(usize, BatchResult<T>)>
+    /// Runs the messages of one chain in order, handing each one's result to `each` as soon as
+    /// it is known (recorded), before the next message of its key runs.
+    async fn run_chain<F, Fut, T, E>(&self, chain: Chain<'_>, handler: &F, each: &Mutex<E>)
     where
         F: Fn(usize, HandlerContext) -> Fut,
         Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
         T: Serialize + DeserializeOwned,
+        E: FnMut(usize, BatchResult<T>),
     {
+        // Called between awaits, never across one: the lock is held only for the call.
+        let hand_over = |index: usize, result: BatchResult<T>| {
+            let mut each = each.lock().unwrap_or_else(PoisonError::into_inner);
+            (*each)(index, result);
+        };
         let Chain {
             index,
             span,
             first,
             later,
         } = chain;
-        let mut out = Vec::with_capacity(1 + later.len());
         let call = move |ctx| handler(index, ctx);
         let result = self
             .run_first(first, call, &span)
             .instrument(span.clone())
             .await;
         self.observe(&result, &span);
-        out.push((index, result));
+        hand_over(index, result);
         for Later {
             index,
             span,
@@ -399,9 +403,8 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         {
             let call = move |ctx| handler(index, ctx);
             let result = self.process(Ok(Some((key, fingerprint))), call, span).await;
-            out.push((index, result));
+            hand_over(index, result);
         }
-        out
     }
 
     /// The first message of a chain, from what the batch's acquire answered.
