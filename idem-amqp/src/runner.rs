@@ -614,47 +614,30 @@ async fn deliver<H, T, C, R>(
     );
     // Each delivery is settled as soon as its step is known (its completion recorded), not once
     // the whole group's are: a slow handler holds back only its own delivery.
-    let (steps, known) = futures::channel::mpsc::unbounded();
-    let ackers: Vec<std::sync::Mutex<Option<Acker>>> = ackers
-        .into_iter()
-        .map(|acker| std::sync::Mutex::new(Some(acker)))
-        .collect();
-    let batch = common
+    let mut ackers: Vec<Option<Acker>> = ackers.into_iter().map(Some).collect();
+    common
         .execution
-        .try_batch_each(
+        .try_batch_settling(
             &msgs,
             &lost,
             common.options.lost_timeouts(),
-            move |index, step| {
-                // The receiver lives until every step is settled.
-                let _ = steps.unbounded_send((index, step));
+            |index, step| {
+                let acker = ackers[index]
+                    .take()
+                    .expect("try_batch_each gives one step per delivery");
+                settle_one::<H, T, C, R>(
+                    &common,
+                    &publisher,
+                    &lost,
+                    &unsettled,
+                    &msgs[index],
+                    acker,
+                    step,
+                )
             },
         )
-        .instrument(span);
-    let settling = async {
-        let mut known = known;
-        let mut running = futures::stream::FuturesUnordered::new();
-        loop {
-            tokio::select! {
-                next = known.next() => match next {
-                    Some((index, step)) => {
-                        let acker = ackers[index]
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .take()
-                            .expect("one step per delivery");
-                        running.push(settle_one::<H, T, C, R>(
-                            &common, &publisher, &lost, &unsettled, &msgs[index], acker, step,
-                        ));
-                    }
-                    None => break,
-                },
-                Some(()) = running.next(), if !running.is_empty() => {}
-            }
-        }
-        while running.next().await.is_some() {}
-    };
-    futures::future::join(batch, settling).await;
+        .instrument(span)
+        .await;
 }
 
 /// Settles one delivery of a group with its step, in its span.

@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
+use futures::StreamExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::task::{JoinError, JoinSet};
@@ -695,6 +696,46 @@ impl<H, C: Codec, R: Recorder> Execution<H, C, R> {
                 }
             }
         }
+    }
+
+    /// [`try_batch_each`](Self::try_batch_each), settling each message with its broker as its
+    /// step arrives: `settle(index, step)` runs for every message, concurrently with the batch
+    /// and with each other, while the slower handlers still run. Ends once every message is
+    /// settled. The shared loop of the runners that settle one message at a time (NATS,
+    /// RabbitMQ).
+    pub async fn try_batch_settling<M, T, S, Fut>(
+        &self,
+        msgs: &[M],
+        lost: &CancellationToken,
+        timeouts: LostTimeouts,
+        mut settle: S,
+    ) where
+        M: Message + Clone + Send + Sync + 'static,
+        H: Handler<M, R::Returns<T>>,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        S: FnMut(usize, Step<T>) -> Fut,
+        Fut: Future<Output = ()>,
+    {
+        let (steps, mut known) = futures::channel::mpsc::unbounded();
+        let batch = self.try_batch_each(msgs, lost, timeouts, move |index, step| {
+            // The receiver lives until every step is settled.
+            let _ = steps.unbounded_send((index, step));
+        });
+        let settling = async {
+            let mut running = futures::stream::FuturesUnordered::new();
+            loop {
+                tokio::select! {
+                    next = known.next() => match next {
+                        Some((index, step)) => running.push(settle(index, step)),
+                        // The batch is done: every step was sent.
+                        None => break,
+                    },
+                    Some(()) = running.next(), if !running.is_empty() => {}
+                }
+            }
+            while running.next().await.is_some() {}
+        };
+        futures::future::join(batch, settling).await;
     }
 
     /// The largest batch [`try_batch`](Self::try_batch) takes: the store's

@@ -779,31 +779,13 @@ async fn deliver<H, T, C, R>(
         let timeouts = common.options.lost_timeouts();
         // Each message is settled as soon as its step is known (its completion recorded), not
         // once the whole group's are: a slow handler holds back only its own message.
-        let (steps, known) = futures::channel::mpsc::unbounded();
-        let batch = common
+        common
             .execution
-            .try_batch_each::<_, T, _>(msgs, &lost, timeouts, move |index, step| {
-                // The receiver lives until every step is settled.
-                let _ = steps.unbounded_send((index, step));
+            .try_batch_settling::<_, T, _, _>(msgs, &lost, timeouts, |index, step| {
+                settle_one::<H, T, C, R>(&settles[index], &msgs[index], step)
             })
-            .instrument(tracing::debug_span!("idem_nats_batch", stream = %common.stream, messages = msgs.len()));
-        let settling = async move {
-            let mut known = known;
-            let mut running = futures::stream::FuturesUnordered::new();
-            loop {
-                tokio::select! {
-                    next = known.next() => match next {
-                        Some((index, step)) => {
-                            running.push(settle_one::<H, T, C, R>(&settles[index], &msgs[index], step));
-                        }
-                        None => break,
-                    },
-                    Some(()) = running.next(), if !running.is_empty() => {}
-                }
-            }
-            while running.next().await.is_some() {}
-        };
-        futures::future::join(batch, settling).await;
+            .instrument(tracing::debug_span!("idem_nats_batch", stream = %common.stream, messages = msgs.len()))
+            .await;
     };
     tokio::select! {
         biased;
