@@ -16,14 +16,19 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 use serde_json::value::RawValue;
 
-/// The canonical text of the field at `pointer` in `payload`, its numbers exact; `None` when the
+/// The payload's text as a JSON value, for [`field`]: read once per payload, whatever the
+/// number of fields.
+pub(crate) fn root(payload: &[u8]) -> Result<&RawValue, serde_json::Error> {
+    serde_json::from_slice(payload)
+}
+
+/// The canonical text of the field at `pointer` in `root`, its numbers exact; `None` when the
 /// pointer finds nothing (as `Value::pointer` would).
 pub(crate) fn field(
-    payload: &[u8],
+    root: &RawValue,
     pointer: &str,
     out: &mut Vec<u8>,
 ) -> Result<Option<()>, serde_json::Error> {
-    let root: &RawValue = serde_json::from_slice(payload)?;
     let Some(found) = find(root, pointer)? else {
         return Ok(None);
     };
@@ -228,7 +233,7 @@ mod tests {
 
     fn canon(payload: &str, pointer: &str) -> Option<String> {
         let mut out = Vec::new();
-        field(payload.as_bytes(), pointer, &mut out)
+        field(root(payload.as_bytes()).unwrap(), pointer, &mut out)
             .unwrap()
             .map(|()| String::from_utf8(out).unwrap())
     }

@@ -59,6 +59,8 @@ impl FingerprintPolicy {
             Self::Off => Ok(None),
             Self::JsonFields(pointers) => {
                 let doc = json.get()?;
+                // The payload's text, read once, when a field holds a double.
+                let mut text = None;
                 let mut parts = Vec::with_capacity(pointers.len() * 2);
                 for pointer in pointers {
                     parts.push(pointer.as_bytes().to_vec());
@@ -69,12 +71,19 @@ impl FingerprintPolicy {
                             field.push(b'=');
                             if holds_a_double(v) {
                                 // Doubles may have lost digits: the field's own text decides.
-                                let found = exact_json::field(json.payload(), pointer, &mut field)
-                                    .map_err(|e| {
-                                        ExecutorError::invalid_message(format!(
-                                            "the payload is not JSON: {e}"
-                                        ))
-                                    })?;
+                                let not_json = |e: serde_json::Error| {
+                                    ExecutorError::invalid_message(format!(
+                                        "the payload is not JSON: {e}"
+                                    ))
+                                };
+                                let root = match text {
+                                    Some(root) => root,
+                                    None => *text.insert(
+                                        exact_json::root(json.payload()).map_err(not_json)?,
+                                    ),
+                                };
+                                let found = exact_json::field(root, pointer, &mut field)
+                                    .map_err(not_json)?;
                                 if found.is_none() {
                                     return Err(ExecutorError::invalid_message(format!(
                                         "the fingerprint field {pointer:?} was found in the \
