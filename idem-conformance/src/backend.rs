@@ -6,12 +6,11 @@
 //! reused version needs a delete, a re-creation and a stale writer in one window. Run
 //! [`check_backend`] in a test beside the suite:
 //!
-//! ```ignore
-//! #[tokio::test]
-//! async fn my_backend_keeps_the_kit_rules() {
-//!     let backend = MyBackend::connect("my://127.0.0.1:4000").await.unwrap();
-//!     idem_conformance::backend::check_backend(&backend, "cas-check").await;
-//! }
+//! ```no_run
+//! # async fn demo(backend: impl idem_core::kit::CasBackend) {
+//! // In a `#[tokio::test]` of your backend's crate, `backend` connected to its server:
+//! idem_conformance::backend::check_backend(&backend, "cas-check").await;
+//! # }
 //! ```
 
 use std::collections::HashSet;

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -140,6 +141,7 @@ impl Config {
 }
 
 type UnreachableFactory = Arc<dyn Fn() -> BoxFuture<'static, Result<DynStore>> + Send + Sync>;
+type SilentFactory = Arc<dyn Fn(SocketAddr) -> BoxFuture<'static, Result<DynStore>> + Send + Sync>;
 type RoundTripCounter = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 /// How C23 counts the store's round trips.
@@ -153,13 +155,14 @@ enum RoundTrips {
     Counter(RoundTripCounter),
 }
 
-/// The store under test, its [`Config`], and (for C20) a way to build the same kind of store
-/// pointed at an endpoint where nothing listens.
+/// The store under test, its [`Config`], and (for C20) ways to build the same kind of store
+/// pointed at an endpoint where nothing listens, and at a server that never answers.
 #[derive(Clone)]
 pub struct Harness {
     store: DynStore,
     config: Config,
     unreachable: Option<UnreachableFactory>,
+    silent: Option<SilentFactory>,
     round_trips: RoundTrips,
 }
 
@@ -169,6 +172,7 @@ impl fmt::Debug for Harness {
             .field("store", &self.store)
             .field("config", &self.config)
             .field("unreachable", &self.unreachable.is_some())
+            .field("silent", &self.silent.is_some())
             .field(
                 "round_trips",
                 &match &self.round_trips {
@@ -188,6 +192,7 @@ impl Harness {
             store,
             config,
             unreachable: None,
+            silent: None,
             round_trips: RoundTrips::Unset,
         }
     }
@@ -231,6 +236,34 @@ impl Harness {
     {
         self.unreachable = Some(Arc::new(move || Box::pin(factory())));
         self
+    }
+
+    /// Sets how C20 builds a store pointed at `addr`, a server that accepts every connection
+    /// and never answers (a peer that hangs, a network that drops replies): the store's own
+    /// timeouts must turn that into [`Error::Unavailable`](idem_core::Error::Unavailable) within
+    /// [`Config::unavailable_within`], where a refused port fails at once whatever they are.
+    /// Without it, C20 checks the refused port only and says on standard error that the
+    /// timeouts went unchecked.
+    ///
+    /// ```no_run
+    /// # fn demo(harness: idem_conformance::Harness) -> idem_conformance::Harness {
+    /// # async fn my_store(_url: String) -> idem_core::Result<idem_core::DynStore> { unimplemented!() }
+    /// harness.with_silent(|addr| my_store(format!("myproto://{addr}")))
+    /// # }
+    /// ```
+    pub fn with_silent<F, Fut>(mut self, factory: F) -> Self
+    where
+        F: Fn(SocketAddr) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<DynStore>> + Send + 'static,
+    {
+        self.silent = Some(Arc::new(move |addr| Box::pin(factory(addr))));
+        self
+    }
+
+    /// Builds the store pointed at a server that never answers, at `addr`, if
+    /// [`Harness::with_silent`] was called.
+    pub fn silent(&self, addr: SocketAddr) -> Option<BoxFuture<'static, Result<DynStore>>> {
+        self.silent.as_ref().map(|f| f(addr))
     }
 
     /// The store under test.

@@ -4,6 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt::Debug;
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -1171,11 +1172,37 @@ pub async fn c19_chaos_ledger(h: &Harness) {
 }
 
 /// C20: an unreachable store answers `Unavailable` within the bound, and the work it guards is
-/// not run.
+/// not run: pointed at a port where nothing listens ([`Harness::with_unreachable`], required)
+/// and, with [`Harness::with_silent`], at a server that accepts connections and never answers
+/// ([`servers::silent_server`](crate::servers::silent_server)), which only the store's own
+/// timeouts can end.
 pub async fn c20_unreachable_store(h: &Harness) {
-    let Some(build) = h.unreachable() else {
+    if h.unreachable().is_none() {
         panic!("C20 needs Harness::with_unreachable: a store pointed at a dead endpoint");
-    };
+    }
+    unavailable_in_time(h, "a refused port", || h.unreachable().expect("configured")).await;
+    let addr = crate::servers::silent_server();
+    if h.silent(addr).is_none() {
+        let _ = writeln!(
+            std::io::stderr(),
+            "C20: no Harness::with_silent: the store's timeouts against a server that never \
+             answers are not checked"
+        );
+        return;
+    }
+    unavailable_in_time(h, "a server that never answers", || {
+        h.silent(addr).expect("configured")
+    })
+    .await;
+}
+
+/// C20's check on one dead endpoint (`what`): building a store with `build`, an `acquire`, then
+/// (on a store built again) a `get` each answer `Unavailable` within the bound, and the handler
+/// the acquire guards does not run.
+async fn unavailable_in_time<B>(h: &Harness, what: &str, build: B)
+where
+    B: Fn() -> futures::future::BoxFuture<'static, Result<idem_core::DynStore>>,
+{
     let within = h.config().unavailable_within;
     let ns = h.namespace();
     let key = h.key(&ns, "unreachable");
@@ -1183,7 +1210,7 @@ pub async fn c20_unreachable_store(h: &Harness) {
     let handler_ran = AtomicBool::new(false);
     let started = Instant::now();
     let attempt = async {
-        let store = build.await?;
+        let store = build().await?;
         let outcome = store.acquire(&req).await;
         if let Ok(AcquireOutcome::Acquired { .. }) = outcome {
             handler_ran.store(true, Ordering::SeqCst);
@@ -1192,28 +1219,27 @@ pub async fn c20_unreachable_store(h: &Harness) {
         Ok::<_, Error>((store, outcome))
     };
     match tokio::time::timeout(within, attempt).await {
-        Err(_) => panic!("C20: no answer from the unreachable store within {within:?}"),
-        Ok(Ok((_, outcome))) => panic!("C20: an unreachable store answered {outcome:?}"),
+        Err(_) => panic!("C20 ({what}): no answer from the unreachable store within {within:?}"),
+        Ok(Ok((_, outcome))) => panic!("C20 ({what}): an unreachable store answered {outcome:?}"),
         Ok(Err(Error::Unavailable { .. })) => {}
-        Ok(Err(other)) => panic!("C20: expected Unavailable, got {other:?}"),
+        Ok(Err(other)) => panic!("C20 ({what}): expected Unavailable, got {other:?}"),
     }
     assert!(
         !handler_ran.load(Ordering::SeqCst),
-        "C20: the handler must not run"
+        "C20 ({what}): the handler must not run"
     );
     assert!(started.elapsed() <= within);
     // Operator reads fail the same way.
-    let build = h.unreachable().expect("configured");
     let read = async {
-        let store = build.await?;
+        let store = build().await?;
         store.get(&key).await
     };
     match tokio::time::timeout(within, read).await {
         Ok(Err(Error::Unavailable { .. })) => {}
         Ok(other) => {
-            panic!("C20: get on an unreachable store should be Unavailable, got {other:?}")
+            panic!("C20 ({what}): get on an unreachable store should be Unavailable, got {other:?}")
         }
-        Err(_) => panic!("C20: get gave no answer within {within:?}"),
+        Err(_) => panic!("C20 ({what}): get gave no answer within {within:?}"),
     }
 }
 

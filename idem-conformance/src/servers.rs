@@ -21,7 +21,7 @@
 
 use std::collections::HashSet;
 use std::io::Write;
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -90,6 +90,30 @@ pub fn skip_or_fail(suite: &str, why: &str) {
              run all suites"
         );
     }
+}
+
+/// A server on a free loopback port that accepts every connection and never reads, writes or
+/// closes one, for the rest of the process: a peer that hangs, or a network that drops every
+/// reply, as a store meets it mid-outage. A connection succeeds at once, so only the client's
+/// own timeouts (connect handshake, response, whole operation) end a call to it. Each call
+/// starts one such server, served by a thread of its own, and returns its address.
+///
+/// # Panics
+/// When no loopback port can be bound, or no thread started.
+pub fn silent_server() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+    let addr = listener.local_addr().expect("the bound address");
+    std::thread::Builder::new()
+        .name("idem-silent-server".into())
+        .spawn(move || {
+            // Held, never read: the peer's requests fill the buffers and nothing comes back.
+            let mut held = Vec::new();
+            for conn in listener.incoming().flatten() {
+                held.push(conn);
+            }
+        })
+        .expect("a thread for the silent server");
+    addr
 }
 
 /// The `host:port` to probe in an endpoint string.

@@ -687,3 +687,54 @@ async fn outage_driver_counts_zombie_effects() {
         assert_eq!(counted > 0, broken, "{bug:?}: {report:?}");
     }
 }
+
+/// A store built by connecting to `addr` and waiting for the server's greeting: within `limit`
+/// (then `Unavailable`), or, with `None`, for as long as it takes, as a client without timeouts
+/// does.
+async fn greeted_store(addr: std::net::SocketAddr, limit: Option<Duration>) -> Result<DynStore> {
+    use tokio::io::AsyncReadExt;
+    let greeting = async {
+        let mut conn = tokio::net::TcpStream::connect(addr).await?;
+        let mut byte = [0u8; 1];
+        conn.read_exact(&mut byte).await?;
+        Ok::<_, std::io::Error>(())
+    };
+    let greeted = match limit {
+        Some(limit) => tokio::time::timeout(limit, greeting)
+            .await
+            .map_err(|_| idem_core::Error::unavailable("greeted", "no greeting in time"))?,
+        None => greeting.await,
+    };
+    greeted.map_err(|e| idem_core::Error::unavailable("greeted", e))?;
+    Ok(Arc::new(MemoryStore::new()) as DynStore)
+}
+
+/// C20 against a server that accepts and never answers: a store that waits for it without a
+/// timeout fails C20 (where a refused port alone would let it pass); the same store with one
+/// passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_without_timeouts_is_caught_by_a_server_that_never_answers() {
+    let c20 = |limit: Option<Duration>| async move {
+        let unreachable = || async {
+            let dead = MemoryStore::new();
+            dead.set_available(false);
+            Ok(Arc::new(dead) as DynStore)
+        };
+        let config = Config::real_time().with_unavailable_within(Duration::from_millis(800));
+        let h = Harness::new(Arc::new(MemoryStore::new()), config)
+            .with_unreachable(unreachable)
+            .with_silent(move |addr| greeted_store(addr, limit));
+        tokio::spawn(async move { scenarios::c20_unreachable_store(&h).await })
+            .await
+            .map_err(|e| assert!(e.is_panic(), "{e:?}"))
+            .is_ok()
+    };
+    assert!(
+        c20(Some(Duration::from_millis(200))).await,
+        "control: a store with a timeout passes C20"
+    );
+    assert!(
+        !c20(None).await,
+        "C20 must catch a store that waits for a silent server without a timeout"
+    );
+}

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use idem_conformance::{Config, Harness};
 use idem_core::DynStore;
+use idem_dynamo::DynamoStore;
 
 async fn harness() -> Option<Harness> {
     let store = common::store().await?;
@@ -19,6 +20,11 @@ async fn harness() -> Option<Harness> {
         Harness::new(Arc::new(store), Config::real_time())
             .with_unreachable(|| async {
                 Ok(Arc::new(common::unreachable_store().await?) as DynStore)
+            })
+            .with_silent(|addr| async move {
+                let config =
+                    common::config(common::table()).with_endpoint_url(format!("http://{addr}"));
+                Ok(Arc::new(DynamoStore::connect(config).await?) as DynStore)
             })
             .with_round_trips(move || requests.total()),
     )

@@ -25,6 +25,11 @@ async fn harness() -> Option<Harness> {
                     .with_connect_timeout(Duration::from_secs(1))
                     .with_pool_wait_timeout(Duration::from_secs(1));
                 Ok(Arc::new(PostgresStore::connect(config).await?) as DynStore)
+            })
+            .with_silent(|addr| async move {
+                // The default timeouts, as a user gets them.
+                let config = PostgresConfig::new(&format!("postgres://postgres@{addr}/test"))?;
+                Ok(Arc::new(PostgresStore::connect(config).await?) as DynStore)
             }),
     )
 }

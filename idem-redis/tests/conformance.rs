@@ -102,9 +102,14 @@ mod standalone {
     async fn harness() -> Option<Harness> {
         let store = common::standalone().await?;
         Some(
-            super::harness(store).with_unreachable(|| async {
-                Ok(Arc::new(common::unreachable().await?) as DynStore)
-            }),
+            super::harness(store)
+                .with_unreachable(|| async {
+                    Ok(Arc::new(common::unreachable().await?) as DynStore)
+                })
+                .with_silent(|addr| async move {
+                    let store = RedisStore::connect(&format!("redis://{addr}")).await?;
+                    Ok(Arc::new(store) as DynStore)
+                }),
         )
     }
 
@@ -121,9 +126,16 @@ mod cluster {
 
     async fn harness() -> Option<Harness> {
         let store = common::cluster().await?;
-        Some(super::harness(store).with_unreachable(|| async {
-            Ok(Arc::new(common::unreachable_cluster().await?) as DynStore)
-        }))
+        Some(
+            super::harness(store)
+                .with_unreachable(|| async {
+                    Ok(Arc::new(common::unreachable_cluster().await?) as DynStore)
+                })
+                .with_silent(|addr| async move {
+                    let store = RedisStore::connect_cluster([format!("redis://{addr}")]).await?;
+                    Ok(Arc::new(store) as DynStore)
+                }),
+        )
     }
 
     idem_conformance::conformance_tests!(harness);
