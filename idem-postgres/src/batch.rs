@@ -22,7 +22,7 @@ use idem_core::{
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
-use crate::error::{is_untranslatable, sqlstate};
+use crate::error::{is_serialization_failure, is_untranslatable, sqlstate};
 use crate::sql::{Names, Stmt, live, may_acquire};
 use crate::store::{PostgresStore, acquire_outcome, failed_state, fenced_outcome, micros};
 
@@ -219,13 +219,16 @@ fn rounds<'a>(keys: impl Iterator<Item = Option<&'a IdempotencyKey>>) -> Vec<Vec
 }
 
 /// A batch statement that hit a lock held by an open transaction (`55P03`, the acquire's lock
-/// timeout), lost a deadlock (`40P01`) or carried a text the database's encoding cannot hold
-/// (`22P05`, one item's key or error): its items are answered by single statements instead, so
-/// each gets its own answer.
+/// timeout), lost a deadlock (`40P01`), lost to a concurrent writer under a stricter
+/// `default_transaction_isolation` than `READ COMMITTED` (`40001`, see
+/// [`is_serialization_failure`]) or carried a text the database's encoding cannot hold (`22P05`,
+/// one item's key or error): its items are answered by single statements instead, so each gets
+/// its own answer.
 fn falls_back(e: &Error) -> bool {
     sqlstate(e).is_some_and(|c| {
         *c == SqlState::LOCK_NOT_AVAILABLE || *c == SqlState::T_R_DEADLOCK_DETECTED
-    }) || is_untranslatable(e)
+    }) || is_serialization_failure(e)
+        || is_untranslatable(e)
 }
 
 fn ords(round: &[usize]) -> Vec<i32> {

@@ -151,6 +151,15 @@ pub(crate) fn sqlstate(e: &Error) -> Option<&SqlState> {
         .and_then(tokio_postgres::Error::code)
 }
 
+/// A store statement (a single statement, its own transaction) that lost to a concurrent writer
+/// of its row under a stricter `default_transaction_isolation` than `READ COMMITTED` (`40001`,
+/// "could not serialize access due to concurrent update"): it changed nothing, and run again it
+/// takes a new snapshot that sees the writer's row, answering as under `READ COMMITTED` (a
+/// racing acquire `InProgress`, not a store error).
+pub(crate) fn is_serialization_failure(e: &Error) -> bool {
+    sqlstate(e).is_some_and(|c| *c == SqlState::T_R_SERIALIZATION_FAILURE)
+}
+
 /// `22P05`: a text parameter has a character the database's encoding cannot hold (a database
 /// in `LATIN1` given `支`). The client always sends UTF-8; the server converts.
 pub(crate) fn is_untranslatable(e: &Error) -> bool {

@@ -19,7 +19,8 @@ use tokio_postgres::{Row, Statement};
 use crate::batch::BatchSql;
 use crate::config::PostgresConfig;
 use crate::error::{
-    Contention, STORE, is_untranslatable, map_pg, map_pool, map_store_pg, untranslatable,
+    Contention, STORE, is_serialization_failure, is_untranslatable, map_pg, map_pool, map_store_pg,
+    untranslatable,
 };
 use crate::schema::{
     MIGRATIONS, MigrationReport, advisory_key, migrations_table, schema_advisory_key,
@@ -353,7 +354,11 @@ impl PostgresStore {
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Option<SystemTime>> {
         for _ in 0..MAX_ROUNDS {
-            let rows = self.query(stmt, params).await?;
+            let rows = match self.query(stmt, params).await {
+                Ok(rows) => rows,
+                Err(e) if is_serialization_failure(&e) => continue,
+                Err(e) => return Err(e),
+            };
             if let Some(done) = fenced_outcome(rows.first(), lease)? {
                 return done;
             }
@@ -652,6 +657,7 @@ impl IdempotencyStore for PostgresStore {
             let rows = match self.query(&self.inner.sql.acquire, &params).await {
                 Ok(rows) => rows,
                 Err(e) if is_lock_timeout(&e) => return Ok(self.locked_outcome()),
+                Err(e) if is_serialization_failure(&e) => continue,
                 Err(e) if is_untranslatable(&e) => return Err(self.key_refused(req, e).await),
                 Err(e) => return Err(e),
             };
@@ -783,16 +789,19 @@ impl IdempotencyStore for PostgresStore {
     }
 
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool> {
-        let rows = self
-            .query(
-                &self.inner.sql.delete,
-                &[&key.namespace().as_str(), &key.id()],
-            )
-            .await?;
-        match rows.first() {
-            Some(row) => column(row, "live", key),
-            None => Ok(false),
+        let params: [&(dyn ToSql + Sync); 2] = [&key.namespace().as_str(), &key.id()];
+        for _ in 0..MAX_ROUNDS {
+            let rows = match self.query(&self.inner.sql.delete, &params).await {
+                Ok(rows) => rows,
+                Err(e) if is_serialization_failure(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            return match rows.first() {
+                Some(row) => column(row, "live", key),
+                None => Ok(false),
+            };
         }
+        Err(Error::unavailable(STORE, Contention(MAX_ROUNDS)))
     }
 
     /// Keyset pages over the listing index `(namespace, state, id)` (schema version 3), one

@@ -1223,3 +1223,98 @@ async fn a_resend_behind_the_first_send_is_a_replay() {
         );
     }
 }
+
+/// Under a stricter `default_transaction_isolation` than `READ COMMITTED` (set here per
+/// connection, as a server, database or role setting would), racing calls answer as on every
+/// store, never the `Unavailable` of a serialization failure (`40001`): acquires of one key, single
+/// and in batches, one `Acquired` and the others `InProgress`; a completion and its re-sent copy
+/// both `Ok`; a delete beside a re-acquire.
+#[tokio::test]
+async fn racing_calls_answer_as_under_read_committed_under_a_stricter_default_isolation() {
+    for level in ["repeatable read", "serializable"] {
+        let url = format!(
+            "{}?options=-c%20default_transaction_isolation%3D{}",
+            common::url(),
+            level.replace(' ', "%5C%20")
+        );
+        let config = PostgresConfig::new(&url)
+            .unwrap()
+            .with_schema(common::run_schema());
+        let Some(store) = common::store_with(config).await else {
+            return;
+        };
+        let ns = ns();
+        for round in 0..10 {
+            let key = ns.key(format!("race-{round}")).unwrap();
+            let racers: Vec<_> = (0..16)
+                .map(|i| {
+                    let (store, key) = (store.clone(), key.clone());
+                    tokio::spawn(async move {
+                        let req = AcquireRequest::new(key, format!("w{i}"))
+                            .with_fingerprint(Fingerprint::of("p"));
+                        if i % 2 == 0 {
+                            return store.acquire(&req).await;
+                        }
+                        // A batch: the raced key, then a key of this racer's own.
+                        let own = AcquireRequest::new(
+                            req.key
+                                .namespace()
+                                .key(format!("{}-own-{i}", req.key.id()))?,
+                            format!("w{i}"),
+                        );
+                        let mut batch = store.acquire_many(&[req, own]).await?.into_iter();
+                        let raced = batch.next().expect("two items");
+                        match batch.next().expect("two items") {
+                            Ok(AcquireOutcome::Acquired { .. }) => raced,
+                            other => panic!("a racer's own key answered {other:?}"),
+                        }
+                    })
+                })
+                .collect();
+            let (mut won, mut busy) = (Vec::new(), 0);
+            for racer in racers {
+                match racer.await.unwrap() {
+                    Ok(AcquireOutcome::Acquired { lease, .. }) => won.push(lease),
+                    Ok(AcquireOutcome::InProgress { .. }) => busy += 1,
+                    other => panic!("{level}: a racing acquire answered {other:?}"),
+                }
+            }
+            assert_eq!((won.len(), busy), (1, 15), "{level}");
+            // A completion and its re-sent copy racing (the replay rule): both `Ok`.
+            let lease = &won[0];
+            let (a, b) = tokio::join!(
+                store.complete(lease, Bytes::from_static(b"r"), RETENTION),
+                store.complete(lease, Bytes::from_static(b"r"), RETENTION),
+            );
+            assert!(a.is_ok() && b.is_ok(), "{level}: {a:?} {b:?}");
+            // An operator's delete racing the holder's completion of another key: the delete
+            // answers, and the completion is `Ok` or finds the record gone.
+            let other = ns.key(format!("deleted-{round}")).unwrap();
+            let lease = acquired(
+                store
+                    .acquire(&AcquireRequest::new(other.clone(), "holder"))
+                    .await
+                    .unwrap(),
+            );
+            let (deleted, completed) = tokio::join!(
+                store.delete(&other),
+                store.complete(&lease, Bytes::from_static(b"r"), RETENTION),
+            );
+            assert!(deleted.is_ok(), "{level}: delete answered {deleted:?}");
+            assert!(
+                matches!(completed, Ok(()) | Err(Error::LeaseLost { .. })),
+                "{level}: {completed:?}"
+            );
+        }
+        // The URL's option really sets the level (else this test proves nothing).
+        let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let row = client
+            .query_one("SHOW transaction_isolation", &[])
+            .await
+            .unwrap();
+        assert_eq!(row.get::<_, String>(0), level);
+    }
+}
