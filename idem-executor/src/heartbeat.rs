@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use crate::lease::LeaseState;
 use crate::metric_names as m;
-use idem_core::DynStore;
+use idem_core::{DynStore, Error, LostLease, StateKind};
 
 /// The leases in flight of one executor.
 pub(crate) struct Heartbeats {
@@ -152,6 +152,26 @@ impl Heartbeats {
                 Ok(extended) => {
                     held.extended(sent, self.ttl);
                     tracing::trace!(key = lease.key.id(), token = lease.token.get(), expires_at = ?extended.expires_at, "lease extended");
+                }
+                // The record is finished under this very token: only this lease's holder has
+                // it (an operator's release-stuck leaves it released, and is a loss), so its
+                // own completion or failure landed while this extend was on its way. Not a lost
+                // lease: no warning, and nothing to cancel.
+                Err(Error::LeaseLost {
+                    why:
+                        LostLease::NotInProgress {
+                            state: StateKind::Completed | StateKind::Failed(_),
+                        },
+                    ..
+                }) => {
+                    if state.entries.remove(&id).is_some() {
+                        tracing::debug!(
+                            key = lease.key.id(),
+                            token = lease.token.get(),
+                            "heartbeat: the lease's own completion landed first"
+                        );
+                    }
+                    continue;
                 }
                 Err(e) if e.is_lease_lost() => {
                     if state.entries.remove(&id).is_some() {
