@@ -18,6 +18,7 @@ use idem_core::IdempotencyKey;
 /// | `invalid_key` | [`ExecutorError::InvalidKey`](crate::ExecutorError::InvalidKey) |
 /// | `invalid_message` | [`ExecutorError::InvalidMessage`](crate::ExecutorError::InvalidMessage) |
 /// | `decode` | [`ExecutorError::Decode`](crate::ExecutorError::Decode) |
+/// | `undelivered` | no outcome: the broker's delivery limit came first (NATS `max_deliver`) |
 ///
 /// ```
 /// use idem_executor::{BrokerAction, DeadLetterReason, Outcome};
@@ -50,11 +51,17 @@ pub enum DeadLetterReason {
     InvalidMessage,
     /// `decode`: the stored result of the key does not decode as the handler's result type.
     Decode,
+    /// `undelivered`: the broker's own delivery limit (a NATS consumer's `max_deliver`) was
+    /// reached before the key had a final outcome here: a store outage, a copy held behind the
+    /// key in progress elsewhere, a drain that cut the handler short. Not poison: the handler
+    /// may never have run for this message; republish it once the cause is gone (the store
+    /// replays the key if another copy completed it).
+    Undelivered,
 }
 
 impl DeadLetterReason {
     /// Every reason, in declaration order.
-    pub const ALL: [DeadLetterReason; 8] = [
+    pub const ALL: [DeadLetterReason; 9] = [
         Self::Conflict,
         Self::Exhausted,
         Self::Failed,
@@ -63,10 +70,11 @@ impl DeadLetterReason {
         Self::InvalidKey,
         Self::InvalidMessage,
         Self::Decode,
+        Self::Undelivered,
     ];
 
     /// The stable code: `conflict`, `exhausted`, `failed`, `result_not_stored`, `missing_key`,
-    /// `invalid_key`, `invalid_message`, `decode`.
+    /// `invalid_key`, `invalid_message`, `decode`, `undelivered`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Conflict => "conflict",
@@ -77,6 +85,7 @@ impl DeadLetterReason {
             Self::InvalidKey => "invalid_key",
             Self::InvalidMessage => "invalid_message",
             Self::Decode => "decode",
+            Self::Undelivered => "undelivered",
         }
     }
 

@@ -227,7 +227,8 @@ mod tests {
                 "missing_key",
                 "invalid_key",
                 "invalid_message",
-                "decode"
+                "decode",
+                "undelivered"
             ]
         );
     }

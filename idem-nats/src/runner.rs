@@ -2,7 +2,7 @@
 
 use std::future::Future;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,7 +14,9 @@ use futures::{FutureExt, StreamExt};
 use idem_executor::broker::{
     self, DeadLetterInfo, DrainTimeouts, Execution, Fit, Step, outcome_name,
 };
-use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
+use idem_executor::{
+    BrokerAction, Codec, Executor, ExecutorError, Handler, JsonCodec, Outcome, Plain, Recorder,
+};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -99,6 +101,9 @@ struct Common<H, C, R> {
     max_subject: usize,
     /// The subjects the consumer receives, as last read from the server.
     consumed: Mutex<Consumed>,
+    /// Messages in a row whose outcome was a store error (reset by any other outcome): while
+    /// it is above zero, each pull waits [`RunnerOptions::reconnect_delay`] of it first.
+    store_failures: AtomicU32,
 }
 
 impl<H, C, R> Common<H, C, R> {
@@ -386,7 +391,26 @@ where
         // Whether the last pull brought messages.
         let mut busy = false;
         let half = u32::try_from(options.max_in_flight.div_ceil(2)).unwrap_or(u32::MAX);
-        while !stop.is_cancelled() {
+        'pulls: while !stop.is_cancelled() {
+            // While the store fails (the last outcomes were store errors), wait before pulling:
+            // every message pulled into an outage is nak'ed, and every nak is a delivery that
+            // counts towards `max_deliver` and a store call that cannot succeed. The wait grows
+            // with the failures in a row, as the reconnect delay does; one outcome the store
+            // answered ends it.
+            let failing = common.store_failures.load(Ordering::Relaxed);
+            if failing > 0 {
+                RunnerStats::count(&common.stats.store_pauses, m::STORE_PAUSES);
+                let resume = tokio::time::Instant::now() + options.reconnect_delay(failing);
+                tracing::debug!(failing, "the store is failing: pausing pulls");
+                loop {
+                    tokio::select! {
+                        biased;
+                        () = stop.cancelled() => break 'pulls,
+                        Some(joined) = tasks.join_next(), if !tasks.is_empty() => report(joined),
+                        () = tokio::time::sleep_until(resume) => break,
+                    }
+                }
+            }
             // Pull as many messages as there are free slots, once at least half of them are
             // free (fewer, larger pulls; the other half keeps working meanwhile): nothing waits
             // in a client buffer with its ack deadline running.
@@ -637,6 +661,7 @@ where
                 max_attempts,
                 max_subject,
                 consumed: Mutex::new(Consumed::default()),
+                store_failures: AtomicU32::new(0),
             }),
             _result: PhantomData,
         })
@@ -717,10 +742,12 @@ fn too_large(error: &async_nats::jetstream::context::PublishError) -> bool {
             .is_some_and(|e| e.error_code() == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
 }
 
-/// The dead letter of a message on its last allowed delivery that has no final outcome.
+/// The dead letter of a message on its last allowed delivery that has no final outcome: reason
+/// `undelivered` (not `exhausted`, which says the key is poison: this one's handler may never
+/// have run).
 fn last_delivery_info(msg: &NatsMessage, why: &str) -> DeadLetterInfo {
     DeadLetterInfo {
-        reason: DeadLetterReason::Exhausted,
+        reason: DeadLetterReason::Undelivered,
         error: format!(
             "delivered {} times, the consumer's max_deliver, without a final outcome ({why})",
             msg.delivered()
@@ -886,6 +913,11 @@ where
             }
             Step::Done { result, attempt } => (result, attempt),
         };
+        if matches!(result, Err(ExecutorError::Store { .. })) {
+            common.store_failures.fetch_add(1, Ordering::Relaxed);
+        } else {
+            common.store_failures.store(0, Ordering::Relaxed);
+        }
         let outcome = outcome_name(&result);
         tracing::Span::current().record("outcome", outcome);
         match BrokerAction::of(&result) {

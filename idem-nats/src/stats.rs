@@ -30,6 +30,9 @@ pub mod metric_names {
     /// Pull requests that failed (the server unreachable, the consumer gone); each is sent again
     /// after a bounded delay.
     pub const STREAM_ERRORS: &str = "idem_nats_stream_errors";
+    /// Pulls held back because the last outcomes were store errors (the store is failing):
+    /// each waits the reconnect delay of the failures in a row first.
+    pub const STORE_PAUSES: &str = "idem_nats_store_pauses";
 }
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,6 +55,7 @@ pub struct RunnerStats {
     pub(crate) publish_failures: AtomicU64,
     pub(crate) dead_letter_loops: AtomicU64,
     pub(crate) stream_errors: AtomicU64,
+    pub(crate) store_pauses: AtomicU64,
 }
 
 impl RunnerStats {
@@ -136,5 +140,11 @@ impl RunnerStats {
     /// Pull requests that failed.
     pub fn stream_errors(&self) -> u64 {
         self.stream_errors.load(Ordering::Relaxed)
+    }
+
+    /// Pulls held back while the store was failing (see
+    /// [`metric_names::STORE_PAUSES`](metric_names::STORE_PAUSES)).
+    pub fn store_pauses(&self) -> u64 {
+        self.store_pauses.load(Ordering::Relaxed)
     }
 }

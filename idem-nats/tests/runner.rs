@@ -525,7 +525,7 @@ async fn refused_at_the_start(
 /// A consumer with a `backoff` entry not above the executor's heartbeat interval is refused:
 /// the server makes each entry the ack deadline of a redelivery, under the progress acks' pace,
 /// and redelivered copies of a message whose handler still ran met the key in progress until
-/// `max_deliver`, one of them dead-lettered as exhausted while the original completed. One
+/// `max_deliver`, one of them dead-lettered as undelivered while the original completed. One
 /// whose entries are all above the heartbeat runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_with_a_backoff_under_the_heartbeat_is_a_config_error() {
@@ -1048,8 +1048,70 @@ async fn hold_elsewhere(
     }
 }
 
+/// A store outage shorter than the pause it causes: the runner holds its pulls back while the
+/// store fails, so the messages pulled into the outage come back once it ended, well within
+/// `max_deliver`, and every one executes. Without the pause they were delivered again every
+/// nak delay (50 ms here), used up their four deliveries within the outage and were all
+/// dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_pauses_pulls_and_spends_no_deliveries_while_it_lasts() {
+    use idem_conformance::faults::FaultyStore;
+    let Some((client, js, name)) = streams_for("outagepause").await else {
+        return;
+    };
+    let store = Arc::new(FaultyStore::new(idem_core::MemoryStore::new()));
+    store.set_outage(true);
+    let msgs: Vec<Msg> = (0..5).map(|i| Msg::keyed(&format!("k{i}"), "{}")).collect();
+    publish(&js, &name, &msgs).await;
+    let config = ExecutorConfig::new("outagepause")
+        .with_max_attempts(3)
+        .with_fingerprint(idem_executor::FingerprintPolicy::Off);
+    let handler = |_msg: NatsMessage, _ctx: HandlerContext| async { Ok::<_, HandlerError>(()) };
+    let runner = NatsRunner::builder(
+        client,
+        &name,
+        "workers",
+        executor(Arc::clone(&store) as idem_core::DynStore, config),
+        handler,
+    )
+    .options(
+        options()
+            .with_max_deliver(Some(4))
+            .with_retry_delays(Duration::from_millis(50), Duration::from_millis(100))
+            .with_reconnect_delays(Duration::from_millis(300), Duration::from_secs(3)),
+    )
+    .build()
+    .unwrap();
+    let stats = runner.stats();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
+    // The first deliveries meet the outage.
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            let s = Arc::clone(&stats);
+            Box::pin(async move { s.naks() >= 1 })
+        })
+        .await,
+        "{stats:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    store.set_outage(false);
+    let watched = Arc::clone(&stats);
+    let done = run_until(task, stop, Duration::from_secs(20), move || {
+        let s = Arc::clone(&watched);
+        Box::pin(async move { s.executed() == 5 })
+    })
+    .await;
+    assert!(done, "{stats:?}");
+    assert_eq!(stats.dead_lettered(), 0, "{stats:?}");
+    assert!(stats.store_pauses() >= 1, "{stats:?}");
+    assert!(read_stream(&js, &format!("{name}_dlq")).await.is_empty());
+    assert_eq!(consumer_state(&js, &name, "workers").await, (0, 0));
+    delete_streams(&js, &name).await;
+}
+
 /// A message whose key stays held elsewhere is nak'ed until its last allowed delivery, then
-/// dead-lettered (reason `exhausted`) rather than dropped by the server.
+/// dead-lettered (reason `undelivered`) rather than dropped by the server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_allowed_delivery_is_dead_lettered_not_dropped() {
     let Some((client, js, name)) = streams_for("maxdeliver").await else {
@@ -1105,7 +1167,7 @@ async fn the_last_allowed_delivery_is_dead_lettered_not_dropped() {
     assert_eq!(dead.len(), 1);
     assert_eq!(
         dead[0].header(idem_nats::HEADER_REASON).as_deref(),
-        Some("exhausted")
+        Some("undelivered")
     );
     assert_eq!(
         dead[0].header(idem_nats::HEADER_DELIVERED).as_deref(),
@@ -1125,7 +1187,7 @@ async fn the_last_allowed_delivery_is_dead_lettered_not_dropped() {
 /// Messages on their last allowed delivery in one group, handlers one at a time, and a stop
 /// whose drain times out: the running handler is signalled (its message then has no final
 /// outcome) and the others are abandoned before their handlers start. None is nak'ed (the
-/// server would stop delivering it): all are dead-lettered (reason `exhausted`).
+/// server would stop delivering it): all are dead-lettered (reason `undelivered`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn last_deliveries_cut_short_by_the_drain_are_dead_lettered_not_dropped() {
     let Some((client, js, name)) = streams_for("lastdrain").await else {
@@ -1214,7 +1276,7 @@ async fn last_deliveries_cut_short_by_the_drain_are_dead_lettered_not_dropped() 
     for d in &dead {
         assert_eq!(
             d.header(idem_nats::HEADER_REASON).as_deref(),
-            Some("exhausted")
+            Some("undelivered")
         );
         assert!(
             d.header(idem_nats::HEADER_ERROR)
