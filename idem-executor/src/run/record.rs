@@ -32,6 +32,10 @@ use crate::outcome::{CommitRefusal, HandlerFailure, Outcome};
 use crate::transactional::Recorder;
 use idem_core::{Error, FailureKind, fit_text};
 
+/// How long the release of a lease whose transactional completion found the store not set up
+/// may take.
+const NOT_SET_UP_RELEASE: Duration = Duration::from_secs(5);
+
 /// First delay between the tries of a completion or failure record on `Unavailable`.
 const RECORD_RETRY_DELAY: Duration = Duration::from_millis(10);
 /// Longest delay between those tries (capped further at a tenth of the lease).
@@ -169,6 +173,9 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
                 Box::pin(self.not_committed(leased, refusal, FailureKind::Terminal)).await
             }
             Err(e) => {
+                if R::TRANSACTIONAL && matches!(e, Error::NotSetUp { .. }) {
+                    self.give_back_not_set_up(leased, &e).await;
+                }
                 let key = leased.lease().key.clone();
                 Box::pin(
                     self.store_error(StoreStage::Complete, e, &key, |reason| async move {
@@ -180,6 +187,29 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
                     }),
                 )
                 .await
+            }
+        }
+    }
+
+    /// A transactional completion refused because the store is not set up for it (a table its
+    /// writes name is missing) wrote nothing, which is what `NotSetUp` promises, and the lease
+    /// is still held: it is given back, not counted, so that a redelivery once the table exists
+    /// runs the handler again as this same attempt. Left to expire, the lease counted a crash
+    /// at each redelivery, until the key was dead-lettered as exhausted with the cause lost.
+    async fn give_back_not_set_up(&self, leased: &Leased<'_>, e: &Error) {
+        let lease = leased.lease();
+        let release = tokio::time::timeout(NOT_SET_UP_RELEASE, self.inner.store.release(lease));
+        let why =
+            "the completion's writes need what the store does not have set up: nothing committed";
+        match release.await {
+            Ok(Ok(())) => {
+                tracing::warn!(key = %lease.key, error = %e, "{why}, lease released (not counted)");
+            }
+            Ok(Err(release)) => {
+                tracing::warn!(key = %lease.key, error = %e, %release, "{why}; the release failed, so the lease expires and the next attempt counts it as a crash");
+            }
+            Err(_) => {
+                tracing::warn!(key = %lease.key, error = %e, "{why}; the release timed out, so the lease expires and the next attempt counts it as a crash");
             }
         }
     }
