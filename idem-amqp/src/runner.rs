@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use idem_executor::broker::{
-    self, DeadLetterInfo, DrainTimeouts, Execution, Fit, Step, outcome_name,
+    self, DeadLetterInfo, DrainTimeouts, Execution, Fit, Step, StoreHealth, outcome_name,
 };
 use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
 use lapin::options::{
@@ -92,6 +92,8 @@ struct Common<H, C, R> {
     queue: Arc<str>,
     options: RunnerOptions,
     stats: Arc<RunnerStats>,
+    /// Store errors in a row among the outcomes: while there are some, new deliveries wait.
+    store: StoreHealth,
 }
 
 impl<H, T, C, R> AmqpRunner<H, T, C, R>
@@ -298,13 +300,23 @@ where
             .max_batch
             .min(self.common.execution.max_batch())
             .max(1);
+        // While the store fails (the last outcomes were store errors), new deliveries wait
+        // (at most the prefetch of them, then the broker sends no more): each one taken into
+        // the outage would go to the retry queue, every `retry_delay`, a publication and a
+        // store call that cannot succeed. The wait after each group grows with the failures in
+        // a row, as the reconnect delay does; one outcome the store answered ends it.
+        let mut resume: Option<tokio::time::Instant> = None;
         let lost = loop {
+            let paused = resume.is_some();
             tokio::select! {
                 biased;
                 () = stop.cancelled() => break None,
                 Some(joined) = tasks.join_next(), if !tasks.is_empty() => report(joined),
                 Some(joined) = orphans.tasks.join_next(), if !orphans.tasks.is_empty() => report(joined),
-                next = session.consumer.next() => {
+                () = tokio::time::sleep_until(resume.unwrap_or_else(tokio::time::Instant::now)), if paused => {
+                    resume = None;
+                }
+                next = session.consumer.next(), if !paused => {
                     // The deliveries at hand with this one form its group.
                     let mut group = Vec::new();
                     let mut next = Some(next);
@@ -329,6 +341,16 @@ where
                         }
                     }
                     if !group.is_empty() {
+                        let options = &self.common.options;
+                        if let Some(pause) = self
+                            .common
+                            .store
+                            .pause(options.min_reconnect_delay, options.max_reconnect_delay)
+                        {
+                            RunnerStats::count(&self.common.stats.store_pauses, m::STORE_PAUSES);
+                            tracing::debug!(failures = self.common.store.failures(), ?pause, "the store is failing: holding new deliveries back");
+                            resume = Some(tokio::time::Instant::now() + pause);
+                        }
                         session.unsettled.fetch_add(group.len(), Ordering::Relaxed);
                         tasks.spawn(deliver(
                             Arc::clone(&self.common),
@@ -575,6 +597,7 @@ where
                 queue,
                 options: self.options,
                 stats: Arc::new(RunnerStats::default()),
+                store: StoreHealth::default(),
             }),
             _result: PhantomData,
         })
@@ -705,6 +728,7 @@ where
             }
             Step::Done { result, attempt } => (result, attempt),
         };
+        common.store.note(&result);
         let outcome = outcome_name(&result);
         tracing::Span::current().record("outcome", outcome);
         if self.lost.is_cancelled() {

@@ -28,6 +28,9 @@ pub mod metric_names {
     pub const PUBLISH_FAILURES: &str = "idem_amqp_publish_failures";
     /// Connections or channels lost and opened again.
     pub const RECONNECTS: &str = "idem_amqp_reconnects";
+    /// Times the runner held new deliveries back because the last outcomes were store errors
+    /// (the store is failing): each waits the reconnect delay of the failures in a row.
+    pub const STORE_PAUSES: &str = "idem_amqp_store_pauses";
 }
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,6 +52,7 @@ pub struct RunnerStats {
     pub(crate) ack_failures: AtomicU64,
     pub(crate) publish_failures: AtomicU64,
     pub(crate) reconnects: AtomicU64,
+    pub(crate) store_pauses: AtomicU64,
 }
 
 impl RunnerStats {
@@ -138,5 +142,11 @@ impl RunnerStats {
     /// Connections (or the consuming channel) lost and opened again.
     pub fn reconnects(&self) -> u64 {
         self.reconnects.load(Ordering::Relaxed)
+    }
+
+    /// Times new deliveries were held back while the store was failing (see
+    /// [`metric_names::STORE_PAUSES`](metric_names::STORE_PAUSES)).
+    pub fn store_pauses(&self) -> u64 {
+        self.store_pauses.load(Ordering::Relaxed)
     }
 }

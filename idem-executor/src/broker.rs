@@ -237,6 +237,41 @@ pub fn reconnect_delay(failures: u32, min: Duration, max: Duration) -> Duration 
         .min(max)
 }
 
+/// Store errors in a row among a runner's outcomes, to hold its intake back while the store
+/// fails: every message taken in during an outage is retried (a nak, a retry copy), which is a
+/// delivery the broker counts and a store call that cannot succeed. A runner [`note`](Self::note)s
+/// each message's result and, before taking in more, waits the [`pause`](Self::pause).
+#[derive(Debug, Default)]
+pub struct StoreHealth {
+    failures: AtomicU32,
+}
+
+impl StoreHealth {
+    /// Notes what a message came to: a store error ([`ExecutorError::Store`]) adds one to the
+    /// failures in a row; anything else (an outcome the store answered) ends them.
+    pub fn note<T>(&self, result: &Result<Outcome<T>, ExecutorError>) {
+        if matches!(result, Err(ExecutorError::Store { .. })) {
+            self.failures.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.failures.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The store errors in a row (0: the store answers).
+    pub fn failures(&self) -> u32 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// How long to wait before taking in more messages: `None` while the store answers, else the
+    /// [`reconnect_delay`] of the failures in a row (`min` doubled per failure, at most `max`).
+    pub fn pause(&self, min: Duration, max: Duration) -> Option<Duration> {
+        match self.failures() {
+            0 => None,
+            failures => Some(reconnect_delay(failures, min, max)),
+        }
+    }
+}
+
 /// A runner option that is not usable: which, and why.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {reason}")]
@@ -1196,6 +1231,29 @@ mod tests {
             release: Duration::from_millis(100),
         };
         assert_eq!(inverted.validate().unwrap_err().field, "release_timeout");
+    }
+
+    #[test]
+    fn store_health_pauses_while_store_errors_run_and_not_after_an_answer() {
+        let (min, max) = (Duration::from_millis(100), Duration::from_secs(5));
+        let health = StoreHealth::default();
+        assert_eq!(health.pause(min, max), None);
+        let down: Result<Outcome<()>, ExecutorError> = Err(ExecutorError::Store {
+            stage: StoreStage::Acquire,
+            handler_ran: false,
+            retry_after: Duration::from_secs(1),
+            source: idem_core::Error::unavailable("test", "connection refused"),
+        });
+        health.note(&down);
+        assert_eq!(health.pause(min, max), Some(Duration::from_millis(200)));
+        health.note(&down);
+        assert_eq!(health.pause(min, max), Some(Duration::from_millis(400)));
+        // Any outcome the store answered ends the run, a failed handler's too.
+        health.note(&Ok(Outcome::<()>::Failed { error: "no".into() }));
+        assert_eq!((health.failures(), health.pause(min, max)), (0, None));
+        // Errors that are not the store's do not count.
+        health.note::<()>(&Err(ExecutorError::MissingKey));
+        assert_eq!(health.pause(min, max), None);
     }
 
     #[tokio::test]

@@ -2,7 +2,7 @@
 
 use std::future::Future;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,11 +12,9 @@ use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::{AckKind, Acker};
 use futures::{FutureExt, StreamExt};
 use idem_executor::broker::{
-    self, DeadLetterInfo, DrainTimeouts, Execution, Fit, Step, outcome_name,
+    self, DeadLetterInfo, DrainTimeouts, Execution, Fit, Step, StoreHealth, outcome_name,
 };
-use idem_executor::{
-    BrokerAction, Codec, Executor, ExecutorError, Handler, JsonCodec, Outcome, Plain, Recorder,
-};
+use idem_executor::{BrokerAction, Codec, Executor, Handler, JsonCodec, Outcome, Plain, Recorder};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -101,9 +99,8 @@ struct Common<H, C, R> {
     max_subject: usize,
     /// The subjects the consumer receives, as last read from the server.
     consumed: Mutex<Consumed>,
-    /// Messages in a row whose outcome was a store error (reset by any other outcome): while
-    /// it is above zero, each pull waits [`RunnerOptions::reconnect_delay`] of it first.
-    store_failures: AtomicU32,
+    /// Store errors in a row among the outcomes: while there are some, each pull waits first.
+    store: StoreHealth,
 }
 
 impl<H, C, R> Common<H, C, R> {
@@ -397,11 +394,17 @@ where
             // counts towards `max_deliver` and a store call that cannot succeed. The wait grows
             // with the failures in a row, as the reconnect delay does; one outcome the store
             // answered ends it.
-            let failing = common.store_failures.load(Ordering::Relaxed);
-            if failing > 0 {
+            if let Some(pause) = common
+                .store
+                .pause(options.min_reconnect_delay, options.max_reconnect_delay)
+            {
                 RunnerStats::count(&common.stats.store_pauses, m::STORE_PAUSES);
-                let resume = tokio::time::Instant::now() + options.reconnect_delay(failing);
-                tracing::debug!(failing, "the store is failing: pausing pulls");
+                let resume = tokio::time::Instant::now() + pause;
+                tracing::debug!(
+                    failures = common.store.failures(),
+                    ?pause,
+                    "the store is failing: pausing pulls"
+                );
                 loop {
                     tokio::select! {
                         biased;
@@ -661,7 +664,7 @@ where
                 max_attempts,
                 max_subject,
                 consumed: Mutex::new(Consumed::default()),
-                store_failures: AtomicU32::new(0),
+                store: StoreHealth::default(),
             }),
             _result: PhantomData,
         })
@@ -913,11 +916,7 @@ where
             }
             Step::Done { result, attempt } => (result, attempt),
         };
-        if matches!(result, Err(ExecutorError::Store { .. })) {
-            common.store_failures.fetch_add(1, Ordering::Relaxed);
-        } else {
-            common.store_failures.store(0, Ordering::Relaxed);
-        }
+        common.store.note(&result);
         let outcome = outcome_name(&result);
         tracing::Span::current().record("outcome", outcome);
         match BrokerAction::of(&result) {
