@@ -220,6 +220,15 @@ pub struct ExecutorConfig {
     pub retention: Duration,
     /// Attempts (failures, panics and crashes) before a key is exhausted, at least 1 (default
     /// [`DEFAULT_MAX_ATTEMPTS`], 5).
+    ///
+    /// A crash is counted against every key whose lease the process held, not only the one
+    /// whose handler brought it down: each lease left to expire is taken over as the next
+    /// attempt, since nothing tells a handler that crashed its process from one that ran beside
+    /// it. A message that kills its process (an abort, an out-of-memory kill) thus spends the
+    /// attempts of the messages in flight with it, and after `max_attempts` such crashes those
+    /// are exhausted too, their handlers never having failed. Keep it above the number of
+    /// crashes in a row a deployment can see, and re-drive exhausted keys as the CLI's README
+    /// says.
     pub max_attempts: u32,
     /// Largest encoded result stored (default `None`: the store's own
     /// [`max_result_len`](idem_core::Limits::max_result_len)). A larger result is recorded as a
@@ -237,8 +246,15 @@ pub struct ExecutorConfig {
     /// `retry_delay × retry_growth^(n-1)` ([`retry_after`](Self::retry_after)): with 2 and the
     /// defaults, 1 s, 2 s, 4 s, 8 s, so that the default five attempts outlast a 15-second outage
     /// of what the handler calls, where a constant delay spends them in 4 seconds. A runner
-    /// keeps the delay within its own `min_retry_delay..=max_retry_delay`. A lost lease and a
-    /// store error still wait `retry_delay`: no attempt of the handler failed.
+    /// keeps the delay within its own `min_retry_delay..=max_retry_delay` (5 s at most by
+    /// default on RabbitMQ and NATS: raise it with the growth). A lost lease and a store error
+    /// still wait `retry_delay`: no attempt of the handler failed.
+    ///
+    /// The delay is the redelivery's, not the key's: the store lets any copy of the message
+    /// take a failed key again at once. Copies in flight together (a producer's retries, the
+    /// copies a broker redelivers) each run the next attempt without waiting, so a burst of
+    /// duplicates meeting a failing dependency spends the attempts in milliseconds (in one
+    /// batch, a key's copies run one after the other, as single calls would).
     pub retry_growth: u32,
     /// Where keys come from (default: the header [`DEFAULT_KEY_HEADER`](crate::DEFAULT_KEY_HEADER),
     /// `idempotency-key`, matched case-sensitively).

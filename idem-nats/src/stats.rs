@@ -16,8 +16,10 @@ pub mod metric_names {
     pub const PROGRESS: &str = "idem_nats_progress";
     /// Leases released because the drain timed out before the message's handler started.
     pub const RELEASED: &str = "idem_nats_leases_released";
-    /// Messages given up at the drain timeout (nak'ed for an immediate redelivery, or left to
-    /// their ack deadline).
+    /// Messages given up at the drain timeout before their handler started or before their
+    /// outcome was known (nak'ed for an immediate redelivery, or left to their ack deadline). A
+    /// running handler the drain cut short has an outcome, a lost lease, and is counted under
+    /// `NAKS` instead.
     pub const ABANDONED: &str = "idem_nats_abandoned";
     /// Acks, naks or terms that failed (or, for double acks, were not confirmed): the server
     /// redelivers the message after its ack deadline, and the store replays it.
@@ -82,6 +84,8 @@ impl RunnerStats {
     }
 
     /// Messages whose handler ran to completion here ([`Outcome::Executed`](idem_executor::Outcome::Executed)).
+    /// Not a count of effects: a completion whose reply was lost (a store timeout after it
+    /// landed) is retried, and its redelivery counts under `replayed`.
     pub fn executed(&self) -> u64 {
         self.executed.load(Ordering::Relaxed)
     }
@@ -116,7 +120,9 @@ impl RunnerStats {
         self.released.load(Ordering::Relaxed)
     }
 
-    /// Messages given up at the drain timeout.
+    /// Messages given up at the drain timeout (see
+    /// [`metric_names::ABANDONED`](metric_names::ABANDONED): a running handler the drain cut
+    /// short is a nak).
     pub fn abandoned(&self) -> u64 {
         self.abandoned.load(Ordering::Relaxed)
     }

@@ -142,11 +142,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ours = payments.len() as u64;
     let watch = Arc::clone(&stats);
     let started = Instant::now();
-    // Stop on Ctrl-C, or once our records are resolved (the topic may hold earlier runs' records,
-    // which are resolved too: replayed, or dead-lettered as conflicts of nothing).
+    // Stop on Ctrl-C or SIGTERM (what systemd and Kubernetes send), or once our records are
+    // resolved (the topic may hold earlier runs' records, which are resolved too: replayed, or
+    // dead-lettered as conflicts of nothing).
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let shutdown = async move {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
+            _ = terminate.recv() => {}
             () = async {
                 while watch.resolved() < ours && started.elapsed() < Duration::from_secs(60) {
                     tokio::time::sleep(Duration::from_millis(100)).await;
