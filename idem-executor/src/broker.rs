@@ -248,12 +248,21 @@ pub struct StoreHealth {
 
 impl StoreHealth {
     /// Notes what a message came to: a store error ([`ExecutorError::Store`]) adds one to the
-    /// failures in a row; anything else (an outcome the store answered) ends them.
+    /// failures in a row; an outcome the store answered ends them; the rest (a message without
+    /// a usable key, an un-deduplicated run: the store was not asked, or failed open) changes
+    /// nothing.
     pub fn note<T>(&self, result: &Result<Outcome<T>, ExecutorError>) {
-        if matches!(result, Err(ExecutorError::Store { .. })) {
-            self.failures.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.failures.store(0, Ordering::Relaxed);
+        match result {
+            Err(ExecutorError::Store { .. }) => {
+                self.failures.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(Outcome::NotDeduplicated { .. })
+            | Err(
+                ExecutorError::MissingKey
+                | ExecutorError::InvalidKey(_)
+                | ExecutorError::InvalidMessage { .. },
+            ) => {}
+            Ok(_) | Err(_) => self.failures.store(0, Ordering::Relaxed),
         }
     }
 
@@ -1251,8 +1260,11 @@ mod tests {
         // Any outcome the store answered ends the run, a failed handler's too.
         health.note(&Ok(Outcome::<()>::Failed { error: "no".into() }));
         assert_eq!((health.failures(), health.pause(min, max)), (0, None));
-        // Errors that are not the store's do not count.
+        // A message the store was not asked about neither counts nor ends the run.
+        health.note(&down);
         health.note::<()>(&Err(ExecutorError::MissingKey));
+        assert_eq!(health.failures(), 1);
+        health.note(&Ok(Outcome::<()>::Replayed(())));
         assert_eq!(health.pause(min, max), None);
     }
 

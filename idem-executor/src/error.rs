@@ -43,10 +43,12 @@ impl fmt::Display for StoreStage {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ExecutorError {
-    /// The message carries no idempotency key and the executor rejects such messages (the
-    /// default [`MissingKeyPolicy::Reject`](crate::MissingKeyPolicy::Reject)). The handler did
-    /// not run.
-    #[error("the message has no idempotency key")]
+    /// The message carries no idempotency key, or an empty one, and the executor rejects such
+    /// messages (the default [`MissingKeyPolicy::Reject`](crate::MissingKeyPolicy::Reject)). The
+    /// handler did not run.
+    #[error(
+        "the message has no idempotency key (none where the key source looks, or an empty one)"
+    )]
     MissingKey,
 
     /// The message's key is not a valid [`IdempotencyKey`] (too long, NUL), or the store refused

@@ -280,7 +280,10 @@ mod tests {
 
         let missing = info(&Err(ExecutorError::MissingKey), 0);
         assert_eq!(missing.reason, DeadLetterReason::MissingKey);
-        assert_eq!(missing.error, "the message has no idempotency key");
+        assert_eq!(
+            missing.error,
+            "the message has no idempotency key (none where the key source looks, or an empty one)"
+        );
         assert_eq!(missing.attempts, Some(0));
     }
 
