@@ -167,8 +167,9 @@ impl DynamoConfig {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] naming the field: a table name DynamoDB would refuse (3 to 255 of
-    /// `[A-Za-z0-9_.-]`), a zero timeout or attempt count, or limits above [`MAX_RESULT_LEN`] /
-    /// [`MAX_ERROR_LEN`].
+    /// `[A-Za-z0-9_.-]`), an endpoint that is not an `http://` or `https://` URL with a host
+    /// (`127.0.0.1:8000` without its scheme), a zero timeout or attempt count, or limits above
+    /// [`MAX_RESULT_LEN`] / [`MAX_ERROR_LEN`].
     pub fn validate(&self) -> Result<()> {
         let table_ok = (3..=255).contains(&self.table.len())
             && self
@@ -183,6 +184,20 @@ impl DynamoConfig {
                     self.table
                 ),
             ));
+        }
+        if let Some(url) = &self.endpoint_url {
+            // The SDK takes any text here and fails every call at dispatch: a store that
+            // connects, then answers `Unavailable` to everything, as if DynamoDB were down.
+            let uri = url.parse::<http::Uri>().ok();
+            let usable = uri.as_ref().is_some_and(|uri| {
+                matches!(uri.scheme_str(), Some("http" | "https")) && uri.host().is_some()
+            });
+            if !usable {
+                return Err(Error::invalid(
+                    "endpoint_url",
+                    format!("{url:?} is not an http:// or https:// URL with a host"),
+                ));
+            }
         }
         for (field, timeout) in [
             ("connect_timeout", self.connect_timeout),
@@ -221,6 +236,43 @@ impl DynamoConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_endpoint_must_be_an_http_url_with_a_host() {
+        for good in [
+            "http://127.0.0.1:8000",
+            "https://dynamodb.eu-west-1.amazonaws.com",
+            "http://localhost:4566/",
+        ] {
+            DynamoConfig::default()
+                .with_endpoint_url(good)
+                .validate()
+                .unwrap();
+        }
+        for bad in [
+            "127.0.0.1:8000",
+            "localhost",
+            "ftp://host",
+            "http://",
+            "",
+            "http//x:1",
+        ] {
+            let err = DynamoConfig::default()
+                .with_endpoint_url(bad)
+                .validate()
+                .unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::InvalidInput {
+                        field: "endpoint_url",
+                        ..
+                    }
+                ),
+                "{bad:?}: {err:?}"
+            );
+        }
+    }
 
     #[test]
     fn defaults_are_valid_and_bounded() {
