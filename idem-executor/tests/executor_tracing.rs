@@ -1,5 +1,7 @@
 //! Executor: one span per message with namespace, key, attempt, token and outcome.
 
+mod common;
+
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
@@ -68,67 +70,6 @@ fn the_span_carries_namespace_key_attempt_token_and_outcome() {
     assert!(closes[1].contains("outcome=\"replayed\""), "{}", closes[1]);
 }
 
-/// A `MemoryStore` whose `complete` answers only `hold` after it took effect (a slow reply).
-#[derive(Debug)]
-struct SlowCompletionReply {
-    inner: MemoryStore,
-    hold: std::time::Duration,
-}
-
-#[async_trait::async_trait]
-impl idem_core::IdempotencyStore for SlowCompletionReply {
-    fn name(&self) -> &'static str {
-        "slow-completion-reply"
-    }
-    async fn acquire(
-        &self,
-        req: &idem_core::AcquireRequest,
-    ) -> idem_core::Result<idem_core::AcquireOutcome> {
-        self.inner.acquire(req).await
-    }
-    async fn extend(
-        &self,
-        lease: &idem_core::Lease,
-        ttl: std::time::Duration,
-    ) -> idem_core::Result<idem_core::Lease> {
-        self.inner.extend(lease, ttl).await
-    }
-    async fn complete(
-        &self,
-        lease: &idem_core::Lease,
-        result: idem_core::Bytes,
-        retention: std::time::Duration,
-    ) -> idem_core::Result<()> {
-        let done = self.inner.complete(lease, result, retention).await;
-        tokio::time::sleep(self.hold).await;
-        done
-    }
-    async fn fail(
-        &self,
-        lease: &idem_core::Lease,
-        error: &str,
-        kind: idem_core::FailureKind,
-        retention: std::time::Duration,
-    ) -> idem_core::Result<()> {
-        self.inner.fail(lease, error, kind, retention).await
-    }
-    async fn release(&self, lease: &idem_core::Lease) -> idem_core::Result<()> {
-        self.inner.release(lease).await
-    }
-    async fn get(
-        &self,
-        key: &idem_core::IdempotencyKey,
-    ) -> idem_core::Result<Option<idem_core::Record>> {
-        self.inner.get(key).await
-    }
-    async fn delete(&self, key: &idem_core::IdempotencyKey) -> idem_core::Result<bool> {
-        self.inner.delete(key).await
-    }
-    async fn purge_expired(&self, limit: usize) -> idem_core::Result<u64> {
-        self.inner.purge_expired(limit).await
-    }
-}
-
 /// A handler pending long enough to be heartbeating (a ready one never starts).
 async fn slow_one() -> Result<u8, HandlerError> {
     tokio::time::sleep(std::time::Duration::from_millis(150)).await;
@@ -152,9 +93,9 @@ fn a_heartbeat_behind_its_own_completion_warns_of_no_lost_lease() {
         .enable_all()
         .build()
         .unwrap();
-    let store = SlowCompletionReply {
-        inner: MemoryStore::new(),
-        hold: std::time::Duration::from_millis(600),
+    let store = common::Hooked {
+        complete_reply_delay: std::time::Duration::from_millis(600),
+        ..Default::default()
     };
     let config = ExecutorConfig::new("beat")
         .with_lease_ttl(std::time::Duration::from_millis(600))

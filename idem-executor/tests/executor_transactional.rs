@@ -2,6 +2,8 @@
 //! (`Commit`), recorded with `TransactionalStore::complete_with`. On `MemoryStore` +
 //! `MemoryWrites`, with `FaultyStore` for lost replies and outages.
 
+mod common;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -694,97 +696,14 @@ async fn one_runner_serves_both_executors() {
     assert!(matches!(r, Outcome::Executed(14)), "{r:?}");
 }
 
-/// A `MemoryStore` whose transactional completions are refused as `NotSetUp` (a table the
-/// handler's writes name is missing) while `missing` is set; nothing is written then.
-#[derive(Debug, Default)]
-struct MissingTable {
-    inner: MemoryStore,
-    missing: std::sync::atomic::AtomicBool,
-}
-
-#[async_trait::async_trait]
-impl IdempotencyStore for MissingTable {
-    fn name(&self) -> &'static str {
-        "missing-table"
-    }
-    async fn acquire(
-        &self,
-        req: &idem_core::AcquireRequest,
-    ) -> idem_core::Result<idem_core::AcquireOutcome> {
-        self.inner.acquire(req).await
-    }
-    async fn extend(
-        &self,
-        lease: &idem_core::Lease,
-        ttl: Duration,
-    ) -> idem_core::Result<idem_core::Lease> {
-        self.inner.extend(lease, ttl).await
-    }
-    async fn complete(
-        &self,
-        lease: &idem_core::Lease,
-        result: Bytes,
-        retention: Duration,
-    ) -> idem_core::Result<()> {
-        self.inner.complete(lease, result, retention).await
-    }
-    async fn fail(
-        &self,
-        lease: &idem_core::Lease,
-        error: &str,
-        kind: FailureKind,
-        retention: Duration,
-    ) -> idem_core::Result<()> {
-        self.inner.fail(lease, error, kind, retention).await
-    }
-    async fn release(&self, lease: &idem_core::Lease) -> idem_core::Result<()> {
-        self.inner.release(lease).await
-    }
-    async fn get(
-        &self,
-        key: &idem_core::IdempotencyKey,
-    ) -> idem_core::Result<Option<idem_core::Record>> {
-        self.inner.get(key).await
-    }
-    async fn delete(&self, key: &idem_core::IdempotencyKey) -> idem_core::Result<bool> {
-        self.inner.delete(key).await
-    }
-    async fn purge_expired(&self, limit: usize) -> idem_core::Result<u64> {
-        self.inner.purge_expired(limit).await
-    }
-}
-
-#[async_trait::async_trait]
-impl idem_core::TransactionalStore for MissingTable {
-    type Writes = MemoryWrites;
-    async fn complete_with(
-        &self,
-        lease: &idem_core::Lease,
-        result: Bytes,
-        retention: Duration,
-        writes: MemoryWrites,
-    ) -> idem_core::Result<()> {
-        if self.missing.load(Ordering::SeqCst) {
-            return Err(idem_core::Error::not_set_up(
-                "missing-table",
-                "table \"ledger\"",
-                "create it",
-            ));
-        }
-        self.inner
-            .complete_with(lease, result, retention, writes)
-            .await
-    }
-}
-
 /// A completion whose writes need a table the store does not have (`NotSetUp`: nothing
 /// written) gives its lease back, not counted: each redelivery before the table exists runs
 /// again as the same attempt (never `InProgress` behind its own lease, never exhausted), and
 /// the first one after commits once.
 #[tokio::test]
 async fn a_completion_refused_as_not_set_up_gives_its_lease_back_uncounted() {
-    let store = Arc::new(MissingTable::default());
-    store.missing.store(true, Ordering::SeqCst);
+    let store = Arc::new(common::Hooked::default());
+    store.missing_table.store(true, Ordering::SeqCst);
     let exec = Executor::transactional(
         store.clone(),
         ExecutorConfig::new("pay").with_max_attempts(2),
@@ -818,7 +737,7 @@ async fn a_completion_refused_as_not_set_up_gives_its_lease_back_uncounted() {
         assert_eq!(record.state, RecordState::Released, "delivery {delivery}");
         assert_eq!(record.attempts, 0, "not counted: delivery {delivery}");
     }
-    store.missing.store(false, Ordering::SeqCst);
+    store.missing_table.store(false, Ordering::SeqCst);
     let r = exec.run(&msg("tx-9"), charge).await.unwrap();
     assert!(matches!(r, Outcome::Executed(())), "{r:?}");
     assert_eq!(
