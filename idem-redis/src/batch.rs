@@ -384,9 +384,13 @@ impl RedisStore {
         ))
     }
 
-    /// Decodes the reply of one fenced item: `Ok` when applied or replayed, else `LeaseLost`.
+    /// Decodes the reply of one fenced item: `Ok` when applied or replayed (the compact `1` of an
+    /// item a fast path took, or the body's reply), else `LeaseLost`.
     fn fenced_item(&self, lease: &Lease, reply: Result<Value>) -> Result<()> {
         let reply = reply?;
+        if reply == Value::Int(1) {
+            return Ok(());
+        }
         let key = || self.storage_key(&lease.key);
         if let Some(e) = self.item_error(key, &reply) {
             return Err(e);
@@ -434,8 +438,16 @@ impl RedisStore {
                 if let Some(e) = self.item_error(key, &reply) {
                     return Err(e);
                 }
-                codec::acquire_outcome(&reply, &req.key, &req.owner)
-                    .map_err(|b| codec::corrupt(self.name(), &key(), b))
+                match reply {
+                    Value::Int(token) => codec::fast_acquired(
+                        token,
+                        &req.key,
+                        &req.owner,
+                        codec::millis(req.lease_ttl),
+                    ),
+                    reply => codec::acquire_outcome(&reply, &req.key, &req.owner),
+                }
+                .map_err(|b| codec::corrupt(self.name(), &key(), b))
             })
             .collect())
     }

@@ -179,6 +179,38 @@ pub(crate) fn acquire_outcome(
     })
 }
 
+/// Decodes the compact reply of an acquire that a batch's fast path made (`lua/acquire_fast.lua`,
+/// the reply forms in `lua/batch.lua`): the token alone, of a first attempt with no takeover,
+/// whose lease ends `lease_ms` (what the item sent) after the token's base, `floor(token / 1000)`
+/// milliseconds since the epoch. The same outcome as `acquire_outcome` of the body's
+/// `{0, token, 1, lease end, 0}`.
+pub(crate) fn fast_acquired(
+    token: i64,
+    key: &IdempotencyKey,
+    owner: &str,
+    lease_ms: u64,
+) -> Result<AcquireOutcome, Bad> {
+    let token = u64::try_from(token).map_err(|_| bad(format!("token out of range: {token}")))?;
+    let expires_at = (token / 1000)
+        .checked_add(lease_ms)
+        .and_then(|ms| i64::try_from(ms).ok())
+        .ok_or_else(|| {
+            bad(format!(
+                "lease end out of range: token {token}, lease {lease_ms} ms"
+            ))
+        })?;
+    Ok(AcquireOutcome::Acquired {
+        lease: Lease {
+            key: key.clone(),
+            owner: owner.to_owned(),
+            token: FencingToken::new(token),
+            attempt: 1,
+            expires_at: time(expires_at)?,
+        },
+        takeover: false,
+    })
+}
+
 /// What a fenced script (`extend`, `complete`, `fail`, `release`) answered.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Fenced {

@@ -326,10 +326,18 @@ async fn own_arguments(store: &RedisStore) {
         .collect();
     let out = store.acquire_many(&reqs).await.expect("batch");
     for (req, outcome) in reqs.iter().zip(&out) {
-        let Ok(AcquireOutcome::Acquired { lease, .. }) = outcome else {
+        let Ok(AcquireOutcome::Acquired { lease, takeover }) = outcome else {
             panic!("{outcome:?}");
         };
         let record = store.get(&req.key).await.expect("get").expect("stored");
+        // The lease the batch answered (for a fresh key, rebuilt from the fast path's compact
+        // reply) is the one stored.
+        assert_eq!(
+            (&lease.key, lease.owner.as_str(), lease.attempt, *takeover),
+            (&req.key, req.owner.as_str(), 1, false)
+        );
+        assert_eq!(Some(lease.expires_at), record.lease_expires_at);
+        assert_eq!(record.attempts, 1);
         assert_eq!(record.owner, req.owner);
         assert_eq!(record.fingerprint, req.fingerprint);
         let lease_ms = record

@@ -216,6 +216,10 @@ async fn check(
                     if took { "took it" } else { "declined" }
                 );
             }
+            if let Value::Int(_) = ra {
+                assert!(took, "{}: the body answered a compact reply", case.what);
+            }
+            let ra = full_reply(name, &case.args, ra);
             assert_eq!(ra, rb, "{}: replies differ", case.what);
             assert_eq!(a, b, "{}: stored values differ", case.what);
             assert_eq!(exp_a, exp_b, "{}: expiries differ", case.what);
@@ -248,6 +252,33 @@ async fn check(
         }
     }
     out
+}
+
+/// The body's reply that a fast path's compact reply stands for (lua/batch.lua): an acquire's
+/// token alone for `{0, token, 1, floor(token / 1000) + lease, 0}` (the lease the item sent), a
+/// completion's 1 for `{1}`. Any other reply as it is.
+fn full_reply(name: &str, args: &[Vec<u8>], reply: Value) -> Value {
+    let Value::Int(n) = reply else {
+        return reply;
+    };
+    match name {
+        "acquire_many" => {
+            let lease: f64 = std::str::from_utf8(&args[1]).unwrap().parse().unwrap();
+            let lease = lease as i64;
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(n),
+                Value::Int(1),
+                Value::Int(n / 1000 + lease),
+                Value::Int(0),
+            ])
+        }
+        "complete_many" => {
+            assert_eq!(n, 1, "a completion's compact reply");
+            Value::Array(vec![Value::Int(1)])
+        }
+        other => panic!("{other} has no compact reply"),
+    }
 }
 
 fn fp(seed: u8) -> Fingerprint {
@@ -584,6 +615,68 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
         );
     }
 
+    // Records of one acquire batch, which share everything but their fingerprints (a fast path
+    // compares each with the record it took before, outside the fingerprint): with and without
+    // fingerprints, owners of two lengths, each followed by near misses (the owner's last byte
+    // changed, a byte appended, the fingerprint flag dropped), the same token throughout.
+    let ns = Namespace::new("fast").unwrap();
+    let mut reqs = Vec::new();
+    for (i, owner) in ["w", "w", "worker-7", "worker-7", "w"].iter().enumerate() {
+        for n in 0..6u8 {
+            let key = ns.key(format!("batch-{i}-{n}")).unwrap();
+            let mut req = AcquireRequest::new(key, *owner);
+            if i % 2 == 0 {
+                req = req.with_fingerprint(fp(n));
+            }
+            reqs.push(req);
+        }
+    }
+    let mut cases = Vec::new();
+    for outcome in store.acquire_many(&reqs).await.unwrap() {
+        let AcquireOutcome::Acquired { lease, .. } = outcome.unwrap() else {
+            panic!("a fresh key")
+        };
+        let shape = Shape::of(&mut admin, &store, &lease, "", true).await;
+        let (v, token) = (shape.value, shape.token);
+        let what = format!(
+            "one acquire batch, owner {}, key {}",
+            lease.owner,
+            lease.key.id()
+        );
+        cases.push(Case {
+            before: Before::Bytes(v.clone()),
+            args: complete_args(&token, b"ok"),
+            fast: Some(true),
+            what: what.clone(),
+        });
+        let mut owner_changed = v.clone();
+        *owner_changed.last_mut().unwrap() ^= 0x01;
+        let mut appended = v.clone();
+        appended.push(b'x');
+        let mut no_fp_flag = v.clone();
+        no_fp_flag[0] &= !8;
+        for (m, change) in [
+            (owner_changed, "the owner's last byte changed"),
+            (appended, "a byte appended"),
+            (no_fp_flag, "no fingerprint flag"),
+        ] {
+            cases.push(Case {
+                before: Before::Bytes(m),
+                args: complete_args(&token, b"ok"),
+                fast: None,
+                what: format!("{what}, {change}"),
+            });
+        }
+    }
+    for declared in [true, false] {
+        let batch = check(&mut admin, &prefix, "complete_many", declared, &cases).await;
+        assert!(
+            batch.fast_taken >= 30,
+            "fast path took {}",
+            batch.fast_taken
+        );
+    }
+
     // Completions missing their retention, or their result too: left to the body.
     let first = records.iter().find(|r| r.in_progress).unwrap();
     for per in [1, 2] {
@@ -601,7 +694,8 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
 
     // Acquires: absent keys with every argument shape, owners changing from item to item (the
     // fast path builds what items share again when the owner or lease differs from the item
-    // before), leases that are not whole milliseconds or not numbers, the same key twice, and
+    // before), leases that are not whole milliseconds, out of range or not numbers (left to the
+    // body), the same key twice, and
     // keys holding a record or another type, which it declines or (another type, read as absent
     // with declared keys) writes with SET NX like the body.
     let mut cases = Vec::new();
@@ -642,12 +736,20 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
             what: format!("acquire over: {what}"),
         });
     }
-    for lease in ["1.9999999", "0.9999999", "9007199000000000", "-5", "x"] {
+    for lease in [
+        "1.9999999",
+        "0.9999999",
+        "9007199000000000",
+        "-5",
+        "x",
+        "1.0",
+    ] {
         let args = vec![b"w".to_vec(), lease.into(), b"5".to_vec(), Vec::new()];
         cases.push(Case {
             before: Before::Nothing,
             args: args.clone(),
-            fast: Some(lease != "x"),
+            // The compact reply stands for whole milliseconds, counted exactly.
+            fast: Some(lease == "1.0"),
             what: format!("absent, lease {lease}"),
         });
         cases.push(Case {

@@ -15,7 +15,10 @@
 -- lua/complete_fast.lua; the other transitions have none), which writes exactly what the body
 -- would and answers its reply, or answers nil having written nothing (arguments the body would
 -- fail on it leaves to the body); then, on nil, to the body.
--- Replies one element per item: the single script's own reply, or {-1, message} when that
+-- Replies one element per item: the single script's own reply; or, for an item a fast path
+-- took, the compact form of that reply (a number in place of the table: an acquire's token, of
+-- a first attempt with no takeover, its lease end floor(token / 1000) plus the lease the item
+-- sent; a completion's 1), which costs the server less to send; or {-1, message} when that
 -- item's script raised an error (a corrupt record: `IDEMCORRUPT <reason>`; on a cluster, a key
 -- this node does not serve, refused at the item's first read, before any write), which fails
 -- that item only.

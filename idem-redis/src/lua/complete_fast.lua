@@ -8,6 +8,17 @@
 -- varint with a needless zero byte, a creation time of zero written, bytes after the owner, a
 -- value cut short) answers nil and goes to the single-key body, which decides. The batch test
 -- `fast_paths_write_exactly_what_the_single_key_bodies_write` checks both give the same bytes.
+--
+-- Records of one acquire batch differ in their fingerprints only: the same head, token,
+-- attempts, times and lease, the same owner. So once a record has been read field by field
+-- and taken, the next one is first compared with it, as bytes, outside its fingerprint: the
+-- part before the fingerprint (`shape_a`) and the part after it (`shape_b`, the owner's
+-- length and bytes, which end the record). A record equal to it there has its fields in the
+-- same places with the same values, so the completed record is the same head (`shape_done`,
+-- made once) then its own fingerprint, owner and the result. Any other record is read field
+-- by field as before.
+--
+-- Its reply is the compact form of the body's `{1}`: the number 1 (see lua/batch.lua).
 
 -- The position after the varint at `pos` of `v` and its value, or nil when it is cut short,
 -- longer than 7 bytes or not as `varint` writes it (a last byte of zero after others).
@@ -30,15 +41,35 @@ local function skip(v, pos)
   end
 end
 
-local FAST_DONE = {1}
+local FAST_DONE = 1
 local fast_retention, fast_expiry
+-- The last record taken, outside its fingerprint (see above); `shape_fp` is the fingerprint's
+-- length (32 or 0), `shape_token` the decimal text of its token.
+local shape_a, shape_fp, shape_b, shape_done, shape_token
 -- The last token seen, its decimal text and its updated time's zigzag varint: an acquire batch
 -- gives every record it creates the same token, so a completion batch usually meets one.
 local fast_token, fast_token_text, fast_updated
+-- The completed record's write, and `written` noted, as `write_value` makes them in a
+-- completion batch (a SET with the expiry), with the expiry's text made once per retention.
+local function write_done(done, retention)
+  if retention ~= fast_retention then
+    fast_retention, fast_expiry = retention, int(batch_ms + tonumber(retention))
+  end
+  redis.call('SET', key, done, 'PXAT', fast_expiry)
+  written[key] = done
+  return FAST_DONE
+end
+
 local function fast(args)
   local v = peek()
   if not v or args[2] == nil or tonumber(args[3]) == nil then
     return nil
+  end
+  if args[1] == shape_token then
+    local before_fp = #shape_a
+    if sub(v, 1, before_fp) == shape_a and sub(v, before_fp + shape_fp + 1) == shape_b then
+      return write_done(shape_done .. sub(v, before_fp + 1) .. args[2], args[3])
+    end
   end
   -- In progress (state 0 and the lease flag 32), flags 8 and 16 as they come; a token below
   -- 2^53 (its first byte 0, its second below 32).
@@ -81,15 +112,9 @@ local function fast(args)
   if owner_len_end == nil or owner_len_end + n ~= #v + 1 then
     return nil
   end
-  -- The write `write_value` makes in a completion batch (a SET with the expiry, then noted in
-  -- `written`), with the expiry's text made once per retention.
-  if args[3] ~= fast_retention then
-    fast_retention, fast_expiry = args[3], int(batch_ms + tonumber(args[3]))
-  end
-  local done = char(head - 32 + COMPLETED) .. sub(v, 2, updated_at - 1)
+  shape_done = char(head - 32 + COMPLETED) .. sub(v, 2, updated_at - 1)
     .. fast_updated .. sub(v, after_updated, lease_at - 1)
-    .. sub(v, after_lease) .. args[2]
-  redis.call('SET', key, done, 'PXAT', fast_expiry)
-  written[key] = done
-  return FAST_DONE
+  shape_a, shape_fp, shape_b = sub(v, 1, after_lease - 1), owner_at - after_lease, sub(v, owner_at)
+  shape_token = fast_token_text
+  return write_done(shape_done .. sub(v, after_lease) .. args[2], args[3])
 end
