@@ -615,24 +615,31 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
         );
     }
 
-    // Records of one acquire batch, which share everything but their fingerprints (a fast path
-    // compares each with the record it took before, outside the fingerprint): with and without
-    // fingerprints, owners of two lengths, each followed by near misses (the owner's last byte
-    // changed, a byte appended, the fingerprint flag dropped), the same token throughout.
+    // Records of two acquire batches, each batch's sharing everything but their fingerprints (a
+    // fast path compares each record with the one it took before with the same token, outside
+    // the fingerprint), interleaved: with and without fingerprints, owners of two lengths, each
+    // followed by near misses (the owner's last byte changed, a byte appended, the fingerprint
+    // flag dropped).
     let ns = Namespace::new("fast").unwrap();
-    let mut reqs = Vec::new();
-    for (i, owner) in ["w", "w", "worker-7", "worker-7", "w"].iter().enumerate() {
-        for n in 0..6u8 {
-            let key = ns.key(format!("batch-{i}-{n}")).unwrap();
-            let mut req = AcquireRequest::new(key, *owner);
-            if i % 2 == 0 {
-                req = req.with_fingerprint(fp(n));
+    let mut batches = Vec::new();
+    for batch in 0..2 {
+        let mut reqs = Vec::new();
+        for (i, owner) in ["w", "w", "worker-7", "worker-7", "w"].iter().enumerate() {
+            for n in 0..6u8 {
+                let key = ns.key(format!("batch-{batch}-{i}-{n}")).unwrap();
+                let mut req = AcquireRequest::new(key, *owner);
+                if i % 2 == 0 {
+                    req = req.with_fingerprint(fp(n));
+                }
+                reqs.push(req);
             }
-            reqs.push(req);
         }
+        batches.push(store.acquire_many(&reqs).await.unwrap());
     }
+    let [first, second] = <[_; 2]>::try_from(batches).unwrap();
+    let interleaved = first.into_iter().zip(second).flat_map(|(a, b)| [a, b]);
     let mut cases = Vec::new();
-    for outcome in store.acquire_many(&reqs).await.unwrap() {
+    for outcome in interleaved {
         let AcquireOutcome::Acquired { lease, .. } = outcome.unwrap() else {
             panic!("a fresh key")
         };

@@ -11,12 +11,13 @@
 --
 -- Records of one acquire batch differ in their fingerprints only: the same head, token,
 -- attempts, times and lease, the same owner. So once a record has been read field by field
--- and taken, the next one is first compared with it, as bytes, outside its fingerprint: the
--- part before the fingerprint (`shape_a`) and the part after it (`shape_b`, the owner's
+-- and taken, the next one presented with the same token is first compared with it, as bytes,
+-- outside its fingerprint: the part before the fingerprint and the part after it (the owner's
 -- length and bytes, which end the record). A record equal to it there has its fields in the
--- same places with the same values, so the completed record is the same head (`shape_done`,
--- made once) then its own fingerprint, owner and the result. Any other record is read field
--- by field as before.
+-- same places with the same values, so the completed record is the same head (made once) then
+-- its own fingerprint, owner and the result. Any other record is read field by field as
+-- before. One such record is kept per token, since a completion batch often holds the records
+-- of several acquire batches, interleaved.
 --
 -- Its reply is the compact form of the body's `{1}`: the number 1 (see lua/batch.lua).
 
@@ -43,9 +44,10 @@ end
 
 local FAST_DONE = 1
 local fast_retention, fast_expiry
--- The last record taken, outside its fingerprint (see above); `shape_fp` is the fingerprint's
--- length (32 or 0), `shape_token` the decimal text of its token.
-local shape_a, shape_fp, shape_b, shape_done, shape_token
+-- Per token (its decimal text), the last record taken with it, outside its fingerprint (see
+-- above): {the length of the part before the fingerprint, that part, the fingerprint's length
+-- (32 or 0), the part after it, the completed record's head}.
+local shapes = {}
 -- The last token seen, its decimal text and its updated time's zigzag varint: an acquire batch
 -- gives every record it creates the same token, so a completion batch usually meets one.
 local fast_token, fast_token_text, fast_updated
@@ -65,10 +67,11 @@ local function fast(args)
   if not v or args[2] == nil or tonumber(args[3]) == nil then
     return nil
   end
-  if args[1] == shape_token then
-    local before_fp = #shape_a
-    if sub(v, 1, before_fp) == shape_a and sub(v, before_fp + shape_fp + 1) == shape_b then
-      return write_done(shape_done .. sub(v, before_fp + 1) .. args[2], args[3])
+  local shape = shapes[args[1]]
+  if shape ~= nil then
+    local before_fp = shape[1]
+    if sub(v, 1, before_fp) == shape[2] and sub(v, before_fp + shape[3] + 1) == shape[4] then
+      return write_done(shape[5] .. sub(v, before_fp + 1) .. args[2], args[3])
     end
   end
   -- In progress (state 0 and the lease flag 32), flags 8 and 16 as they come; a token below
@@ -112,9 +115,9 @@ local function fast(args)
   if owner_len_end == nil or owner_len_end + n ~= #v + 1 then
     return nil
   end
-  shape_done = char(head - 32 + COMPLETED) .. sub(v, 2, updated_at - 1)
+  local done_head = char(head - 32 + COMPLETED) .. sub(v, 2, updated_at - 1)
     .. fast_updated .. sub(v, after_updated, lease_at - 1)
-  shape_a, shape_fp, shape_b = sub(v, 1, after_lease - 1), owner_at - after_lease, sub(v, owner_at)
-  shape_token = fast_token_text
-  return write_done(shape_done .. sub(v, after_lease) .. args[2], args[3])
+  shapes[fast_token_text] = {after_lease - 1, sub(v, 1, after_lease - 1), owner_at - after_lease,
+    sub(v, owner_at), done_head}
+  return write_done(done_head .. sub(v, after_lease) .. args[2], args[3])
 end
