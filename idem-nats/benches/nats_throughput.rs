@@ -17,9 +17,10 @@
 //! `cargo bench -p idem-nats --bench nats_throughput` with NATS and Redis up
 //! (`scripts/services.sh nats redis`); `IDEM_NATS_BENCH_MESSAGES` changes the count,
 //! `IDEM_NATS_BENCH_MAX_BATCH` the runner's `max_batch` (default 64) and
-//! `IDEM_NATS_BENCH_RUNNER_IN_FLIGHT` its `max_in_flight` (default [`IN_FLIGHT`], as the
-//! hand-written consumer's handlers; that consumer's prefetching stream holds up to as many
-//! messages again, which the runner never does).
+//! `IDEM_NATS_BENCH_RUNNER_IN_FLIGHT` its `max_in_flight` (default [`RUNNER_IN_FLIGHT`]: the
+//! hand-written consumer holds up to [`IN_FLIGHT`] messages in its handlers and up to as many
+//! again in its prefetching stream, all delivered and not yet acknowledged; the runner, which
+//! never prefetches, gets the same bound on what it holds unacknowledged).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +40,11 @@ use tokio_util::sync::CancellationToken;
 const RECORD_TTL: std::time::Duration = std::time::Duration::from_secs(600);
 
 const IN_FLIGHT: usize = 64;
+
+/// The runner's `max_in_flight` unless `IDEM_NATS_BENCH_RUNNER_IN_FLIGHT` says otherwise: the
+/// hand-written consumer's bound on messages delivered and not yet acknowledged ([`IN_FLIGHT`]
+/// in its handlers, as many again in its prefetching stream).
+const RUNNER_IN_FLIGHT: usize = 2 * IN_FLIGHT;
 
 fn nats_url() -> String {
     std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
@@ -82,8 +88,9 @@ async fn bench() {
         .collect();
     let run = &uuid::Uuid::new_v4().simple().to_string()[..12];
     println!(
-        "nats_throughput: {n} messages ({unique} keys, {} duplicates), {IN_FLIGHT} in flight, one run on {url}",
-        n - unique
+        "nats_throughput: {n} messages ({unique} keys, {} duplicates), {IN_FLIGHT} handlers (+ {IN_FLIGHT} prefetched) in the hand-written consumers, runner max_in_flight {}, one run on {url}",
+        n - unique,
+        runner_in_flight()
     );
 
     let name = format!("bench_raw_{run}");
@@ -158,6 +165,10 @@ async fn bench() {
 }
 
 /// The number in the environment variable `name`, or `default`.
+fn runner_in_flight() -> usize {
+    env_or("IDEM_NATS_BENCH_RUNNER_IN_FLIGHT", RUNNER_IN_FLIGHT)
+}
+
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
@@ -349,7 +360,7 @@ async fn with_runner(
     let runner = NatsRunner::builder(client, name, "workers", executor, handler)
         .options(
             RunnerOptions::default()
-                .with_max_in_flight(env_or("IDEM_NATS_BENCH_RUNNER_IN_FLIGHT", IN_FLIGHT))
+                .with_max_in_flight(runner_in_flight())
                 .with_max_batch(env_or("IDEM_NATS_BENCH_MAX_BATCH", 64)),
         )
         .build()
