@@ -63,6 +63,10 @@ impl Names {
     fn counters(&self) -> String {
         format!("{}counters", self.prefix)
     }
+    /// Per consumer process, its deliveries received and not settled yet.
+    fn open(&self) -> String {
+        format!("{}open", self.prefix)
+    }
     fn from_env() -> Self {
         let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} missing"));
         Self {
@@ -136,6 +140,17 @@ async fn child_main() {
     .build()
     .expect("runner");
     let stats = runner.stats();
+    // Every 20 ms, the deliveries this process holds unsettled.
+    let report = {
+        let (stats, mut conn, open) = (Arc::clone(&stats), redis_conn().await, names.open());
+        let owner = owner.clone();
+        tokio::spawn(async move {
+            loop {
+                let _: Result<(), _> = conn.hset(&open, &owner, held(&stats)).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
     runner
         .run(async {
             use tokio::io::AsyncReadExt;
@@ -145,6 +160,7 @@ async fn child_main() {
         })
         .await
         .expect("runner run");
+    report.abort();
     eprintln!("child {owner} stopped: {stats:?}");
 }
 
@@ -333,17 +349,22 @@ async fn two_processes_one_killed_give_exactly_one_effect_per_key() {
         ledger_len(conn.clone(), names.ledger()).await
     );
     let effects_in = started.elapsed();
-    let url2 = url.clone();
-    let (queue, retry) = (topology.queue.clone(), topology.retry_queue.clone());
-    let emptied =
-        wait_for(Duration::from_secs(30), || {
-            let (url, queue, retry) = (url2.clone(), queue.clone(), retry.clone());
-            async move {
-                queue_state(&url, &queue).await.0 == 0 && queue_state(&url, &retry).await.0 == 0
-            }
-        })
-        .await;
-    assert!(emptied, "the work and retry queues empty");
+    // Then nothing is left to do: the queues are empty and neither survivor holds a delivery
+    // unsettled, twice in a row (the second look after the consumers' next reports).
+    let emptied = wait_quiet(Duration::from_secs(30), || {
+        let (url, topology, mut conn, open) =
+            (url.clone(), topology.clone(), conn.clone(), names.open());
+        async move {
+            let empty = queues_empty(&url, &topology).await;
+            let held: HashMap<String, u64> = conn.hgetall(open).await.unwrap();
+            empty && ["b", "a2"].iter().all(|owner| held.get(*owner) == Some(&0))
+        }
+    })
+    .await;
+    assert!(
+        emptied,
+        "the work and retry queues empty, every delivery settled"
+    );
     let emptied_in = started.elapsed();
 
     // Graceful stop of both survivors: whatever they still held unacknowledged goes back to the

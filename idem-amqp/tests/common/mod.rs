@@ -13,7 +13,7 @@ use idem_amqp::lapin::options::{
 };
 use idem_amqp::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use idem_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use idem_amqp::{QueueTopology, QueueType};
+use idem_amqp::{QueueTopology, QueueType, RunnerStats};
 use idem_conformance::servers;
 use idem_core::DynStore;
 use idem_executor::{Executor, ExecutorConfig, JsonCodec};
@@ -238,6 +238,41 @@ pub async fn queue_state(url: &str, queue: &str) -> (u32, u32) {
         .expect("queue exists");
     let _ = conn.close(200, "bye".into()).await;
     (q.message_count(), q.consumer_count())
+}
+
+/// Whether the retry queue and then the work queue hold no ready message. `message_count`
+/// counts ready messages only; read in this order, a copy moving from the retry queue to the
+/// work queue is seen in the work queue or, once delivered, in a consumer's [`held`] count.
+pub async fn queues_empty(url: &str, topology: &QueueTopology) -> bool {
+    queue_state(url, &topology.retry_queue).await.0 == 0
+        && queue_state(url, &topology.queue).await.0 == 0
+}
+
+/// The deliveries a runner has received and not settled yet (resolved, given back, or left to
+/// the broker). The settled ones are read first: a delivery is received before it is settled.
+pub fn held(stats: &RunnerStats) -> u64 {
+    let settled = stats.resolved() + stats.requeued() + stats.abandoned();
+    stats.received().saturating_sub(settled)
+}
+
+/// Waits (at most `timeout`) until `quiet` holds twice in a row, 50 ms apart: a delivery the
+/// broker pushed to a consumer that had not read it yet at the first look is seen at the second,
+/// so that a graceful stop then has nothing to give back.
+pub async fn wait_quiet<F, Fut>(timeout: Duration, mut quiet: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut in_a_row = 0;
+    while in_a_row < 2 {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        in_a_row = if quiet().await { in_a_row + 1 } else { 0 };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    true
 }
 
 /// A message read back from a queue.
