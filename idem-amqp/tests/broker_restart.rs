@@ -271,7 +271,9 @@ async fn stop_after_a_lost_connection(node: &mut PrivateNode, kill: bool) {
     )
     .options(
         RunnerOptions::default()
-            .with_orphan_timeout(Duration::from_secs(10))
+            // The lost connection's handler gets half of it to finish: it is released a
+            // second after the stop, however long the loss took to bring about.
+            .with_orphan_timeout(Duration::from_secs(60))
             .with_retry_delays(Duration::from_millis(50), Duration::from_millis(500))
             .with_reconnect_delays(Duration::from_millis(100), Duration::from_millis(500)),
     )

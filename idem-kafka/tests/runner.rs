@@ -669,17 +669,21 @@ async fn shutdown_drains_the_record_in_process_and_commits_what_finished() {
     let store = shared(redis_store(&unique("idem-kafka-test")).await);
     let runs = Arc::new(AtomicU32::new(0));
     let (entered_tx, mut entered_rx) = tokio::sync::watch::channel(0u32);
+    // The slow handler runs until the test lets it finish, a second after the stop.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let make_handler = |slow: bool| {
         let r = Arc::clone(&runs);
         let entered = entered_tx.clone();
+        let gate = Arc::clone(&gate);
         move |_msg: KafkaMessage, _ctx: HandlerContext| {
             let r = Arc::clone(&r);
             let entered = entered.clone();
+            let gate = Arc::clone(&gate);
             async move {
                 let n = r.fetch_add(1, Ordering::SeqCst) + 1;
                 let _ = entered.send(n);
                 if slow {
-                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    gate.acquire().await.expect("gate open").forget();
                 }
                 Ok::<_, HandlerError>(())
             }
@@ -711,6 +715,11 @@ async fn shutdown_drains_the_record_in_process_and_commits_what_finished() {
         .unwrap();
     let asked = Instant::now();
     tx.send(()).unwrap();
+    let release = Arc::clone(&gate);
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        release.add_permits(1);
+    });
     task.await.unwrap().unwrap();
     assert!(
         asked.elapsed() >= Duration::from_millis(1000),
@@ -1222,8 +1231,8 @@ async fn a_batch_run_ahead_of_an_unresolved_record_is_not_committed_past_it() {
 
 /// A record whose attempt failed is tried again after its own retry delay, however often the
 /// records before it in its batch are tried: here a busy key at the head of the batch is tried
-/// every few milliseconds for two seconds, and the failing record behind it (and its duplicate,
-/// which waits for the batch after) runs once per retry delay. Before, each try of the busy head
+/// every few milliseconds until the failing record behind it has failed twice, and that record
+/// (and its duplicate, which waits for the batch after) runs once per retry delay. Before, each try of the busy head
 /// ran the record behind it again, spending its attempts in milliseconds, and the duplicate in
 /// the same batch ran the next attempt right after the first failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1289,7 +1298,14 @@ async fn a_failing_record_behind_a_busy_key_retries_at_its_own_pace() {
     .unwrap();
     let stats = runner.stats();
     let running = start(runner);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The busy key is released once the failing record behind it has failed twice, a retry
+    // delay apart.
+    let failed_twice = wait_for(Duration::from_secs(30), || {
+        let r = Arc::clone(&runs);
+        async move { r.lock().unwrap().len() >= 2 }
+    })
+    .await;
+    assert!(failed_twice, "the failing record ran twice: {stats:?}");
     store.release(&held).await.unwrap();
     resolved_at_least(&stats, 3, Duration::from_secs(30)).await;
     stop(running).await;
@@ -1630,8 +1646,8 @@ async fn records_resolved_behind_a_busy_key_are_not_run_again_by_its_retries() {
     create_topic(&topic, 1).await;
     create_topic(&format!("{topic}.dlq"), 1).await;
     // `slow`: a record whose handler takes a second, so that (one slot) the next batch holds
-    // all the others; `busy`: its key held by another consumer for two seconds; then three
-    // keyless transfers (passed through, not deduplicated).
+    // all the others; `busy`: its key held by another consumer until it has been tried three
+    // times; then three keyless transfers (passed through, not deduplicated).
     let mut recs = vec![Rec::keyed(0, "slow", "{}"), Rec::keyed(0, "busy", "{}")];
     for i in 0..3 {
         recs.push(Rec {
@@ -1688,15 +1704,17 @@ async fn records_resolved_behind_a_busy_key_are_not_run_again_by_its_retries() {
     .unwrap();
     let stats = runner.stats();
     let running = start(runner);
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The busy key is tried a few times while the keyless records wait behind it.
+    let tried = wait_for(Duration::from_secs(30), || {
+        let s = Arc::clone(&stats);
+        async move { s.retries() >= 3 }
+    })
+    .await;
+    assert!(tried, "the busy key was tried again meanwhile: {stats:?}");
     store.release(&held).await.unwrap();
     resolved_at_least(&stats, 5, Duration::from_secs(30)).await;
     stop(running).await;
 
-    assert!(
-        stats.retries() >= 3,
-        "the busy key was tried again meanwhile: {stats:?}"
-    );
     let runs = runs.lock().unwrap().clone();
     let expected: std::collections::BTreeMap<i64, u32> = (0..5).map(|o| (o, 1)).collect();
     assert_eq!(

@@ -810,11 +810,17 @@ async fn a_slow_handler_holds_back_no_other_message_of_its_group() {
     };
     let msgs: Vec<Msg> = (0..8).map(|i| Msg::keyed(&format!("k{i}"), "{}")).collect();
     publish(&js, &name, &msgs).await;
-    let handler = |msg: NatsMessage, _ctx: HandlerContext| async move {
-        if msg.stream_sequence() == 1 {
-            tokio::time::sleep(Duration::from_secs(5)).await;
+    // The slow handler runs until the others are done (or the wait for them gives up).
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let handler = move |msg: NatsMessage, _ctx: HandlerContext| {
+        let gate = Arc::clone(&g);
+        async move {
+            if msg.stream_sequence() == 1 {
+                gate.acquire().await.expect("gate open").forget();
+            }
+            Ok::<_, HandlerError>(())
         }
-        Ok::<_, HandlerError>(())
     };
     let runner = NatsRunner::builder(
         client,
@@ -834,12 +840,13 @@ async fn a_slow_handler_holds_back_no_other_message_of_its_group() {
     let task = tokio::spawn(runner.run(stop.clone().cancelled_owned()));
     let started = Instant::now();
     let s = Arc::clone(&stats);
-    let others = wait_for(Duration::from_secs(4), || {
+    let others = wait_for(Duration::from_secs(30), || {
         let s = Arc::clone(&s);
         async move { s.executed() == 7 }
     })
     .await;
     let others_in = started.elapsed();
+    gate.add_permits(1);
     let watched = Arc::clone(&stats);
     let all = run_until(task, stop, Duration::from_secs(20), move || {
         let s = Arc::clone(&watched);
