@@ -277,6 +277,66 @@ pub async fn read_topic(topic: &str, want: usize, timeout: Duration) -> Vec<Owne
     out
 }
 
+/// Every record of `topic`: read from the beginning of each partition up to the high
+/// watermark it had when the read began (a test calls it once the writers have stopped), for at
+/// most `timeout`. Panics when the end is not reached in time, rather than return a part.
+pub async fn read_topic_to_end(topic: &str, timeout: Duration) -> Vec<OwnedMessage> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("enable.partition.eof", "false")
+        .set("group.id", unique("reader"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let md = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    let mut tpl = TopicPartitionList::new();
+    // Per partition, the offset the read must reach.
+    let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
+    for t in md.topics() {
+        for p in t.partitions() {
+            let (low, high) = consumer
+                .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
+                .expect("watermarks");
+            tpl.add_partition_offset(topic, p.id(), Offset::Beginning)
+                .unwrap();
+            if high > low {
+                ends.insert(p.id(), high);
+            }
+        }
+    }
+    consumer.assign(&tpl).expect("assign");
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    while !ends.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "read_topic_to_end {topic}: not at the end within {timeout:?}, left {ends:?}"
+        );
+        let polled = tokio::task::block_in_place(|| {
+            consumer
+                .poll(Duration::from_millis(100))
+                .map(|r| r.map(|m| m.detach()))
+        });
+        match polled {
+            Some(Ok(m)) => out.push(m),
+            Some(Err(e)) => eprintln!("read_topic_to_end {topic}: {e}"),
+            None => {}
+        }
+        // The consumer's position, not the last record's offset: it also moves past control
+        // records (transaction markers), which are never handed out.
+        let position = consumer.position().expect("position");
+        ends.retain(|partition, end| {
+            !matches!(
+                position.find_partition(topic, *partition).map(|p| p.offset()),
+                Some(Offset::Offset(at)) if at >= *end
+            )
+        });
+    }
+    out
+}
+
 /// The offsets committed by `group` on partitions `0..partitions` of `topic` (`-1` for none).
 pub fn committed(group: &str, topic: &str, partitions: i32) -> BTreeMap<i32, i64> {
     let consumer: BaseConsumer = ClientConfig::new()
