@@ -239,9 +239,9 @@ pub fn ends(deliveries: &[(i32, i64)]) -> BTreeMap<i32, i64> {
     ends
 }
 
-/// Reads `topic` from the beginning of every partition (no group) until `want` records were
-/// read or `timeout` passed.
-pub async fn read_topic(topic: &str, want: usize, timeout: Duration) -> Vec<OwnedMessage> {
+/// A consumer (no group commits) assigned every partition of `topic` from its beginning, and
+/// the partitions' ids.
+fn reader(topic: &str) -> (BaseConsumer, Vec<i32>) {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("enable.partition.eof", "false")
@@ -252,27 +252,45 @@ pub async fn read_topic(topic: &str, want: usize, timeout: Duration) -> Vec<Owne
     let md = consumer
         .fetch_metadata(Some(topic), Duration::from_secs(10))
         .expect("metadata");
+    let partitions: Vec<i32> = md
+        .topics()
+        .iter()
+        .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+        .collect();
     let mut tpl = TopicPartitionList::new();
-    for t in md.topics() {
-        for p in t.partitions() {
-            tpl.add_partition_offset(topic, p.id(), Offset::Beginning)
-                .unwrap();
-        }
+    for &p in &partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .unwrap();
     }
     consumer.assign(&tpl).expect("assign");
+    (consumer, partitions)
+}
+
+/// One poll of `consumer`, its record (an error is printed and skipped).
+fn poll_one(consumer: &BaseConsumer, topic: &str) -> Option<OwnedMessage> {
+    let polled = tokio::task::block_in_place(|| {
+        consumer
+            .poll(Duration::from_millis(100))
+            .map(|r| r.map(|m| m.detach()))
+    });
+    match polled {
+        Some(Ok(m)) => Some(m),
+        Some(Err(e)) => {
+            eprintln!("reading {topic}: {e}");
+            None
+        }
+        None => None,
+    }
+}
+
+/// Reads `topic` from the beginning of every partition (no group) until `want` records were
+/// read or `timeout` passed.
+pub async fn read_topic(topic: &str, want: usize, timeout: Duration) -> Vec<OwnedMessage> {
+    let (consumer, _) = reader(topic);
     let deadline = Instant::now() + timeout;
     let mut out = Vec::new();
     while out.len() < want && Instant::now() < deadline {
-        let polled = tokio::task::block_in_place(|| {
-            consumer
-                .poll(Duration::from_millis(100))
-                .map(|r| r.map(|m| m.detach()))
-        });
-        match polled {
-            Some(Ok(m)) => out.push(m),
-            Some(Err(e)) => eprintln!("read_topic {topic}: {e}"),
-            None => {}
-        }
+        out.extend(poll_one(&consumer, topic));
     }
     out
 }
@@ -281,32 +299,17 @@ pub async fn read_topic(topic: &str, want: usize, timeout: Duration) -> Vec<Owne
 /// watermark it had when the read began (a test calls it once the writers have stopped), for at
 /// most `timeout`. Panics when the end is not reached in time, rather than return a part.
 pub async fn read_topic_to_end(topic: &str, timeout: Duration) -> Vec<OwnedMessage> {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("enable.partition.eof", "false")
-        .set("group.id", unique("reader"))
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("consumer");
-    let md = consumer
-        .fetch_metadata(Some(topic), Duration::from_secs(10))
-        .expect("metadata");
-    let mut tpl = TopicPartitionList::new();
-    // Per partition, the offset the read must reach.
+    let (consumer, partitions) = reader(topic);
+    // Per partition holding records, the offset the read must reach.
     let mut ends: BTreeMap<i32, i64> = BTreeMap::new();
-    for t in md.topics() {
-        for p in t.partitions() {
-            let (low, high) = consumer
-                .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
-                .expect("watermarks");
-            tpl.add_partition_offset(topic, p.id(), Offset::Beginning)
-                .unwrap();
-            if high > low {
-                ends.insert(p.id(), high);
-            }
+    for p in partitions {
+        let (low, high) = consumer
+            .fetch_watermarks(topic, p, Duration::from_secs(10))
+            .expect("watermarks");
+        if high > low {
+            ends.insert(p, high);
         }
     }
-    consumer.assign(&tpl).expect("assign");
     let deadline = Instant::now() + timeout;
     let mut out = Vec::new();
     while !ends.is_empty() {
@@ -314,16 +317,7 @@ pub async fn read_topic_to_end(topic: &str, timeout: Duration) -> Vec<OwnedMessa
             Instant::now() < deadline,
             "read_topic_to_end {topic}: not at the end within {timeout:?}, left {ends:?}"
         );
-        let polled = tokio::task::block_in_place(|| {
-            consumer
-                .poll(Duration::from_millis(100))
-                .map(|r| r.map(|m| m.detach()))
-        });
-        match polled {
-            Some(Ok(m)) => out.push(m),
-            Some(Err(e)) => eprintln!("read_topic_to_end {topic}: {e}"),
-            None => {}
-        }
+        out.extend(poll_one(&consumer, topic));
         // The consumer's position, not the last record's offset: it also moves past control
         // records (transaction markers), which are never handed out.
         let position = consumer.position().expect("position");
