@@ -429,14 +429,15 @@ async fn a_record_batch_over_the_store_limit_is_a_config_error() {
 }
 
 // A real clock and short leases: a slow handler keeps its lease by heartbeats, and so does a
-// message waiting behind it for the only handler slot.
+// message waiting behind it for the only handler slot. A lease of 500 ms heartbeated every
+// 50 ms: a stall of the test's threads (a loaded machine) shorter than about 400 ms keeps it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_heartbeat_through_a_slow_handler_and_while_waiting_for_a_slot() {
     let store = MemoryStore::new();
-    let lease = Duration::from_millis(150);
+    let lease = Duration::from_millis(500);
     let config = ExecutorConfig::new("slow")
         .with_lease_ttl(lease)
-        .with_heartbeat_interval(Duration::from_millis(30));
+        .with_heartbeat_interval(Duration::from_millis(50));
     let batched = Executor::new(
         Arc::new(store.clone()),
         config

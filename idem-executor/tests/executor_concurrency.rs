@@ -188,10 +188,12 @@ async fn an_unbounded_wait_lasts_until_the_holder_finishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_three_times_longer_than_the_lease_keeps_it_through_heartbeats() {
     let store = MemoryStore::new(); // real clock: real short leases
-    let lease = Duration::from_millis(150);
+    // Heartbeats every 50 ms: a stall of the test's threads (a loaded machine) shorter than
+    // about 400 ms keeps the lease.
+    let lease = Duration::from_millis(500);
     let config = ExecutorConfig::new("slow")
         .with_lease_ttl(lease)
-        .with_heartbeat_interval(Duration::from_millis(30));
+        .with_heartbeat_interval(Duration::from_millis(50));
     let slow = executor(&store, config.clone().with_owner("slow"));
     let other = executor(&store, config.with_owner("other"));
     let runs = Arc::new(AtomicUsize::new(0));
@@ -439,10 +441,10 @@ async fn hold_three_leases(exec: &Executor, other: &Executor, key: &str, lease: 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_heartbeat_task_keeps_many_leases() {
     let store = MemoryStore::new();
-    let lease = Duration::from_millis(150);
+    let lease = Duration::from_millis(500);
     let config = ExecutorConfig::new("many")
         .with_lease_ttl(lease)
-        .with_heartbeat_interval(Duration::from_millis(30));
+        .with_heartbeat_interval(Duration::from_millis(50));
     let exec = executor(&store, config.clone().with_owner("holder"));
     let other = executor(&store, config.with_owner("other"));
     let mut tasks = Vec::new();
@@ -462,10 +464,10 @@ async fn one_heartbeat_task_keeps_many_leases() {
 #[test]
 fn the_heartbeat_task_follows_the_executor_to_a_new_runtime() {
     let store = MemoryStore::new();
-    let lease = Duration::from_millis(150);
+    let lease = Duration::from_millis(500);
     let config = ExecutorConfig::new("rt")
         .with_lease_ttl(lease)
-        .with_heartbeat_interval(Duration::from_millis(30));
+        .with_heartbeat_interval(Duration::from_millis(50));
     let exec = executor(&store, config.clone().with_owner("holder"));
     let other = executor(&store, config.with_owner("other"));
     let runtime = || {
