@@ -175,9 +175,11 @@ async fn a_slow_handler_holding_its_lease_is_not_run_twice() {
     let store = shared(redis_store(&prefix).await);
     let runs = Arc::new(AtomicU32::new(0));
     let lease = Duration::from_secs(1);
+    // Heartbeats every 100 ms: a stall shorter than about 800 ms (a loaded machine) keeps the
+    // lease.
     let config = ExecutorConfig::new("slow")
         .with_lease_ttl(lease)
-        .with_heartbeat_interval(Duration::from_millis(250));
+        .with_heartbeat_interval(Duration::from_millis(100));
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
     let mut all_stats = Vec::new();

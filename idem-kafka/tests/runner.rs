@@ -303,9 +303,11 @@ async fn handler_slower_than_the_lease_keeps_it_and_the_duplicate_waits_paused()
             Ok::<_, HandlerError>("done".to_owned())
         }
     };
+    // Heartbeats every 100 ms: a stall shorter than about 800 ms (a loaded machine) keeps the
+    // lease.
     let config = ExecutorConfig::new("slow")
         .with_lease_ttl(Duration::from_secs(1))
-        .with_heartbeat_interval(Duration::from_millis(250));
+        .with_heartbeat_interval(Duration::from_millis(100));
     let runner = KafkaRunner::builder(
         consumer_config(&group),
         executor(store.clone(), config),

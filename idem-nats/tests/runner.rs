@@ -973,9 +973,11 @@ async fn a_slow_handler_past_the_ack_deadline_is_not_redelivered() {
     };
     let store = shared(redis_store(&format!("{}:", unique("idem-nats-slow"))).await);
     let ack_wait = Duration::from_secs(2);
+    // Heartbeats every 150 ms: a stall shorter than about 1.2 s (a loaded machine) keeps the
+    // lease.
     let config = ExecutorConfig::new("slow")
         .with_lease_ttl(Duration::from_millis(1500))
-        .with_heartbeat_interval(Duration::from_millis(500));
+        .with_heartbeat_interval(Duration::from_millis(150));
     let runs = Arc::new(AtomicU32::new(0));
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
