@@ -42,11 +42,18 @@ async fn runner_recovers_from_a_server_restart() {
     let ledger = format!("{prefix}ledger");
     let conn = redis_conn().await;
     let effects = ledger.clone();
+    // The second half of the keys waits for the kill: it comes mid-run however slowly the test
+    // gets to it.
+    let (killed_tx, killed) = tokio::sync::watch::channel(false);
     let handler = move |msg: NatsMessage, ctx: HandlerContext| {
         let mut conn = conn.clone();
         let ledger = effects.clone();
+        let mut killed = killed.clone();
         async move {
             let key = ctx.key().unwrap().id().to_owned();
+            if key[1..].parse::<usize>().expect("k<n>") >= KEYS / 2 {
+                let _ = killed.wait_for(|k| *k).await;
+            }
             tokio::time::sleep(Duration::from_millis(10)).await;
             let _: i64 = conn.hincr(&ledger, &key, 1).await?;
             Ok::<_, HandlerError>(Message::payload(&msg).len())
@@ -83,6 +90,7 @@ async fn runner_recovers_from_a_server_restart() {
     let restart = Instant::now();
     server.kill();
     let at_kill = count(redis.clone(), ledger.clone()).await;
+    killed_tx.send(true).unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     server.restart().await;
     let restarted_in = restart.elapsed();
