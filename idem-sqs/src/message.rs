@@ -201,7 +201,8 @@ mod tests {
 
     /// The receive holds the message for a visibility timeout from its answer; each change SQS
     /// accepted holds it from when it was sent; past the last hold it may be another receive's.
-    #[tokio::test]
+    /// (Paused time: the sleeps move the clock exactly.)
+    #[tokio::test(start_paused = true)]
     async fn the_hold_runs_from_the_receive_and_each_accepted_change() {
         let visibility = Duration::from_secs(1);
         let msg = SqsMessage::received(Received::builder().build(), "http://q", visibility);
