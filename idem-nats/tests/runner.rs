@@ -1471,10 +1471,17 @@ async fn shutdown_drains_in_flight_messages() {
         ran,
         "every started handler finished: {stats:?}"
     );
-    let (pending, ack_pending) = consumer_state(&js, &name, "workers").await;
+    // The naks of the buffered messages are not confirmed by the server: wait for them to land.
+    let expected = (20 - ran, 0);
+    let (js2, name2) = (js.clone(), name.clone());
+    wait_for(Duration::from_secs(10), || {
+        let (js, name) = (js2.clone(), name2.clone());
+        async move { consumer_state(&js, &name, "workers").await == expected }
+    })
+    .await;
     assert_eq!(
-        (pending, ack_pending),
-        (20 - ran, 0),
+        consumer_state(&js, &name, "workers").await,
+        expected,
         "the rest is pending again (buffered ones were nak'ed): {stats:?}"
     );
     let ns = Namespace::new("drain").unwrap();
