@@ -350,7 +350,7 @@ async fn two_processes_one_killed_give_exactly_one_effect_per_key() {
     );
     let effects_in = started.elapsed();
     // Then nothing is left to do: the queues are empty and neither survivor holds a delivery
-    // unsettled, twice in a row (the second look after the consumers' next reports).
+    // unsettled, three times in a row (the later looks after the consumers' next reports).
     let emptied = wait_quiet(Duration::from_secs(30), || {
         let (url, topology, mut conn, open) =
             (url.clone(), topology.clone(), conn.clone(), names.open());

@@ -255,9 +255,10 @@ pub fn held(stats: &RunnerStats) -> u64 {
     stats.received().saturating_sub(settled)
 }
 
-/// Waits (at most `timeout`) until `quiet` holds twice in a row, 50 ms apart: a delivery the
-/// broker pushed to a consumer that had not read it yet at the first look is seen at the second,
-/// so that a graceful stop then has nothing to give back.
+/// Waits (at most `timeout`) until `quiet` holds three times in a row, 50 ms apart: a delivery
+/// the broker pushed to a consumer that had not read it yet at the first look is seen at a later
+/// one (even through a consumer's report made up to 20 ms before), so that a graceful stop then
+/// has nothing to give back.
 pub async fn wait_quiet<F, Fut>(timeout: Duration, mut quiet: F) -> bool
 where
     F: FnMut() -> Fut,
@@ -265,7 +266,7 @@ where
 {
     let deadline = Instant::now() + timeout;
     let mut in_a_row = 0;
-    while in_a_row < 2 {
+    while in_a_row < 3 {
         if Instant::now() >= deadline {
             return false;
         }
