@@ -1233,8 +1233,8 @@ async fn a_batch_run_ahead_of_an_unresolved_record_is_not_committed_past_it() {
 
 /// A record whose attempt failed is tried again after its own retry delay, however often the
 /// records before it in its batch are tried: here a busy key at the head of the batch is tried
-/// every few milliseconds until the failing record behind it has failed twice, and that record
-/// (and its duplicate, which waits for the batch after) runs once per retry delay. Before, each try of the busy head
+/// every few milliseconds, then less often, for about two seconds, and the failing record behind
+/// it (and its duplicate, which waits for the batch after) runs once per retry delay. Before, each try of the busy head
 /// ran the record behind it again, spending its attempts in milliseconds, and the duplicate in
 /// the same batch ran the next attempt right after the first failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1300,14 +1300,16 @@ async fn a_failing_record_behind_a_busy_key_retries_at_its_own_pace() {
     .unwrap();
     let stats = runner.stats();
     let running = start(runner);
-    // The busy key is released once the failing record behind it has failed twice, a retry
-    // delay apart.
-    let failed_twice = wait_for(Duration::from_secs(30), || {
-        let r = Arc::clone(&runs);
-        async move { r.lock().unwrap().len() >= 2 }
+    // The busy key is released once it has been tried eight times, about two seconds from its
+    // first try (its backoff doubles from a few milliseconds). Whether the failing record is
+    // tried again meanwhile depends on how the poll cut the batches: behind the busy key in its
+    // batch, it is, at its own pace; in the batch after, its retries wait for that batch.
+    let tried = wait_for(Duration::from_secs(30), || {
+        let s = Arc::clone(&stats);
+        async move { s.retries() >= 8 }
     })
     .await;
-    assert!(failed_twice, "the failing record ran twice: {stats:?}");
+    assert!(tried, "the busy key was tried again: {stats:?}");
     store.release(&held).await.unwrap();
     resolved_at_least(&stats, 3, Duration::from_secs(30)).await;
     stop(running).await;
@@ -1321,10 +1323,6 @@ async fn a_failing_record_behind_a_busy_key_retries_at_its_own_pace() {
             "an attempt ran {gap:?} after the one that failed, under the retry delay: {stats:?}"
         );
     }
-    assert!(
-        stats.retries() >= 4,
-        "the busy key was tried again many times meanwhile: {stats:?}"
-    );
     assert_eq!((stats.executed(), stats.replayed()), (2, 1), "{stats:?}");
     let record = store
         .get(&namespace.key("flaky").unwrap())
