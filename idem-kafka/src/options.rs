@@ -44,8 +44,12 @@ pub struct RunnerOptions {
     /// are still resolved and committed in offset order. A batch's try holds one of the
     /// [`max_in_flight`](Self::max_in_flight) slots while it runs (a record tried again waits
     /// for one); a batch after the first starts only when a slot is free (otherwise its records
-    /// wait for the next batch). `1` processes a partition's batches one at a time;
-    /// so does a [`max_batch`](Self::max_batch) of 1 (one record at a time), whatever this is.
+    /// wait for the next batch). Only a batch's first try overlaps the batches before it: a
+    /// record of a later batch that needs another try (a retryable failure, a busy key) waits
+    /// until the batches before it are resolved, where one behind a busy key in the same batch
+    /// is tried again at its own retry delay meanwhile. `1` processes a partition's batches one
+    /// at a time; so does a [`max_batch`](Self::max_batch) of 1 (one record at a time),
+    /// whatever this is.
     pub max_batches_per_partition: usize,
     /// Records of a partition held by the runner, waiting or in process (default 100,000, as
     /// librdkafka's prefetch target `queued.min.messages`). A partition whose buffer is full, in
