@@ -164,11 +164,12 @@ async fn bench() {
     );
 }
 
-/// The number in the environment variable `name`, or `default`.
+/// The runner's `max_in_flight`: `IDEM_NATS_BENCH_RUNNER_IN_FLIGHT`, or [`RUNNER_IN_FLIGHT`].
 fn runner_in_flight() -> usize {
     env_or("IDEM_NATS_BENCH_RUNNER_IN_FLIGHT", RUNNER_IN_FLIGHT)
 }
 
+/// The number in the environment variable `name`, or `default`.
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
