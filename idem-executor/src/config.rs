@@ -123,12 +123,16 @@ pub const DEFAULT_BATCH_CONCURRENCY: usize = 64;
 ///
 /// Records are grouped as commits are in a database log: a record is sent with whatever else
 /// is waiting as soon as the previous group came back, up to `record_batch` records per call;
-/// a non-zero `record_window` first waits that long for more before sending a group smaller than
-/// `record_batch` (larger groups, later answers).
+/// with no `record_window` the group first takes in what the batch's handlers that are ready
+/// to finish add (they run in the caller's task: a few polls, no timer), so a batch of quick
+/// handlers is recorded in one call; a non-zero `record_window` first waits that long for more
+/// before sending a group smaller than `record_batch` (larger groups, later answers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BatchConfig {
-    /// Handlers running at once, at least 1 (default [`DEFAULT_BATCH_CONCURRENCY`], 64).
+    /// Handlers running at once, at least 1 (default [`DEFAULT_BATCH_CONCURRENCY`], 64). A
+    /// handler's slot is free again as soon as it returns: the next message's handler starts
+    /// while the record of the one before is sent.
     pub concurrency: usize,
     /// Largest group of records in one store call, from 1 to the store's
     /// [`max_batch`](idem_core::Limits::max_batch) (default `None`: the store's `max_batch`).

@@ -14,11 +14,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::StreamExt;
 use futures::future::{self, Either};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, SemaphorePermit, mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
@@ -131,7 +130,8 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
     ///   the single path then acts on it, including the optional
     ///   [`in_progress_wait`](crate::ExecutorConfig::in_progress_wait));
     /// - handlers run at most [`batch.concurrency`](crate::BatchConfig::concurrency) at once,
-    ///   within this call's task (nothing is spawned);
+    ///   within this call's task (nothing is spawned); a slot is taken for the handler alone,
+    ///   and freed as soon as it returns, before its record is sent;
     /// - completions and failures go to the store in groups
     ///   ([`complete_many`](idem_core::IdempotencyStore::complete_many),
     ///   [`fail_many`](idem_core::IdempotencyStore::fail_many)) as described at
@@ -232,13 +232,16 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         // that the whole call is `Send` whenever the handler's futures are.
         let each = Mutex::new(each);
         let each = &each;
+        // A handler slot is held from a chain's turn until its handler returns, not while its
+        // record is sent: the next chain's handler starts meanwhile. The semaphore is fair, and
+        // the chains first ask for a slot in order, so they start in order.
+        let slots = Semaphore::new(inner.config.batch.concurrency);
+        let slots = &slots;
         let runs: Vec<_> = chains
             .into_iter()
-            .map(|chain| self.run_chain(chain, handler, each))
+            .map(|chain| self.run_chain(chain, handler, each, slots))
             .collect();
-        let work = futures::stream::iter(runs)
-            .buffer_unordered(inner.config.batch.concurrency)
-            .for_each(|()| future::ready(()));
+        let work = future::join_all(runs);
         let flush = async {
             flush_records(
                 &inner.store,
@@ -253,7 +256,7 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         // Every record is answered before its message's outcome is known, so the flusher has
         // nothing left to send once the work is done.
         match future::select(pin!(work), pin!(flush)).await {
-            Either::Left(((), _)) => Ok(()),
+            Either::Left((_, _)) => Ok(()),
             Either::Right((never, _)) => match never {},
         }
     }
@@ -366,11 +369,19 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         chains
     }
 
-    /// Runs the messages of one chain in order: one outcome per message, with its index.
     /// Runs the messages of one chain in order, handing each one's result to `each` as soon as
     /// it is known (recorded), before the next message of its key runs.
-    async fn run_chain<F, Fut, T, E>(&self, chain: Chain<'_>, handler: &F, each: &Mutex<E>)
-    where
+    ///
+    /// Each message waits for one of the batch's handler `slots` and frees it as soon as its
+    /// handler returns (or when it turns out its handler will not run), before its record is
+    /// sent.
+    async fn run_chain<F, Fut, T, E>(
+        &self,
+        chain: Chain<'_>,
+        handler: &F,
+        each: &Mutex<E>,
+        slots: &Semaphore,
+    ) where
         F: Fn(usize, HandlerContext) -> Fut,
         Fut: Future<Output = Result<R::Returns<T>, HandlerError>>,
         T: Serialize + DeserializeOwned,
@@ -387,7 +398,11 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
             first,
             later,
         } = chain;
-        let call = move |ctx| handler(index, ctx);
+        let slot = slots
+            .acquire()
+            .await
+            .expect("the batch never closes its slots");
+        let call = move |ctx| in_slot(handler(index, ctx), slot);
         let result = self
             .run_first(first, call, &span)
             .instrument(span.clone())
@@ -401,7 +416,11 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
             fingerprint,
         } in later
         {
-            let call = move |ctx| handler(index, ctx);
+            let slot = slots
+                .acquire()
+                .await
+                .expect("the batch never closes its slots");
+            let call = move |ctx| in_slot(handler(index, ctx), slot);
             let result = self.process(Ok(Some((key, fingerprint))), call, span).await;
             hand_over(index, result);
         }
@@ -447,6 +466,13 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
             First::Unkeyed(Err(e)) => Err(e),
         }
     }
+}
+
+/// Runs a handler's future, then frees its handler slot (before its record is sent).
+async fn in_slot<Fut: Future>(run: Fut, slot: SemaphorePermit<'_>) -> Fut::Output {
+    let returned = run.await;
+    drop(slot);
+    returned
 }
 
 /// One error of a whole store call, given to each of `n` items: kept retryable when it was.
@@ -532,27 +558,47 @@ async fn flush_records(
     }
 }
 
-/// Adds to `group` what waits in the queue, up to `max`, waiting up to `window` for more.
+/// Adds to `group` what waits in the queue, up to `max`, waiting up to `window` for more; with
+/// no window, for as long as the batch's ready handlers add more.
 async fn gather(
     rx: &mut mpsc::UnboundedReceiver<Pending>,
     group: &mut Vec<Pending>,
     max: usize,
     window: Duration,
 ) {
-    let deadline = Instant::now() + window;
-    loop {
+    drain(rx, group, max);
+    if window.is_zero() {
+        // The batch's handlers run in this task: give those that are ready (the slots just
+        // freed let more start) a turn to queue theirs, for as long as the group grows, so
+        // that a batch of quick handlers goes in one call rather than two.
         while group.len() < max {
-            match rx.try_recv() {
-                Ok(pending) => group.push(pending),
-                Err(_) => break,
+            let before = group.len();
+            tokio::task::yield_now().await;
+            drain(rx, group, max);
+            if group.len() == before {
+                break;
             }
         }
-        if group.len() >= max || window.is_zero() {
-            return;
-        }
+        return;
+    }
+    let deadline = Instant::now() + window;
+    while group.len() < max {
         match tokio::time::timeout_at(deadline, rx.recv()).await {
-            Ok(Some(pending)) => group.push(pending),
+            Ok(Some(pending)) => {
+                group.push(pending);
+                drain(rx, group, max);
+            }
             Ok(None) | Err(_) => return,
+        }
+    }
+}
+
+/// Adds to `group` what waits in the queue now, up to `max`.
+fn drain(rx: &mut mpsc::UnboundedReceiver<Pending>, group: &mut Vec<Pending>, max: usize) {
+    while group.len() < max {
+        match rx.try_recv() {
+            Ok(pending) => group.push(pending),
+            Err(_) => break,
         }
     }
 }
