@@ -16,8 +16,9 @@ use idem_core::DynStore;
 use idem_executor::{Executor, ExecutorConfig, JsonCodec};
 
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
+use idem_kafka::rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use idem_kafka::rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
-use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idem_kafka::rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use idem_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use idem_redis::{RedisConfig, RedisStore};
 
@@ -196,10 +197,12 @@ impl Rec {
 }
 
 /// Produces the records in order (all sends are pipelined, order per partition is kept) and
-/// returns each one's (partition, offset).
+/// returns each one's (partition, offset). When the producer's queue is full, waits for the
+/// oldest send in flight before enqueuing more.
 pub async fn produce(topic: &str, records: &[Rec]) -> Vec<(i32, i64)> {
     let producer = producer();
-    let mut futures = Vec::with_capacity(records.len());
+    let mut futures = std::collections::VecDeque::new();
+    let mut out = Vec::with_capacity(records.len());
     for rec in records {
         let mut headers = OwnedHeaders::new();
         for (k, v) in &rec.headers {
@@ -215,18 +218,31 @@ pub async fn produce(topic: &str, records: &[Rec]) -> Vec<(i32, i64)> {
         if let Some(k) = &rec.key {
             record = record.key(k);
         }
-        futures.push(
-            producer
-                .send_result(record)
-                .unwrap_or_else(|(e, _)| panic!("enqueue: {e}")),
-        );
+        loop {
+            match producer.send_result(record) {
+                Ok(future) => {
+                    futures.push_back(future);
+                    break;
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    let oldest = futures.pop_front().expect("a full queue holds a send");
+                    out.push(delivered(oldest).await);
+                }
+                Err((e, _)) => panic!("enqueue: {e}"),
+            }
+        }
     }
-    let mut out = Vec::with_capacity(futures.len());
     for f in futures {
-        let delivery = f.await.expect("delivery").expect("delivered");
-        out.push((delivery.partition, delivery.offset));
+        out.push(delivered(f).await);
     }
     out
+}
+
+/// The (partition, offset) a send was delivered at.
+async fn delivered(send: DeliveryFuture) -> (i32, i64) {
+    let delivery = send.await.expect("delivery").expect("delivered");
+    (delivery.partition, delivery.offset)
 }
 
 /// The end offset of each partition written by `produce` (last offset + 1).
