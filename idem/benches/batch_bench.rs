@@ -14,7 +14,12 @@
 //! a raw baseline with no store, in the same run: 64 tasks each looping one pipeline of 100
 //! `SET key 1 NX PX 30000`, then one pipeline of 100 `SET key done EX 600` (the cheapest
 //! dedupe there is, with none of the store's guarantees: no fencing, no tokens, no replayed
-//! results); and for each standalone row the server's CPU time per message (`INFO cpu`, user +
+//! results); then the same claims finished with the least a fenced completion does, by one
+//! script call per 100 keys whose only work is `GET`, compare with the claim's token, `SET`
+//! (what any script-based fence costs the server at the least, before the store's record
+//! format, state machine and replies), and, where the server has it (Redis 8.4, Valkey 8.1),
+//! by a pipeline of `SET key done IFEQ token`, a fenced completion as one native command;
+//! and for each standalone row the server's CPU time per message (`INFO cpu`, user +
 //! system, before and after), which tells the server's work per message apart from the
 //! client's and the network's. On the cluster it runs the batched
 //! loop twice: with ids spread over the slots (one script call per slot, so about one per key,
@@ -163,11 +168,60 @@ async fn batched(store: &DynStore, ns: &Namespace, ids: Ids) -> Measured {
     Measured::of(&done, start)
 }
 
-/// The raw baseline on the standalone server, with no store: [`tasks`] tasks, each looping one
-/// pipeline of `BATCH` `SET key 1 NX PX 30000` and one of `SET key done EX 600` for the keys it
-/// got; and the server's CPU time per message (µs) it cost. Deletes its keys at the end (not
-/// counted).
-async fn pipelined(conn: &MultiplexedConnection, prefix: &str) -> (Measured, Option<f64>) {
+/// How a raw baseline finishes the keys it claimed.
+#[derive(Clone, Copy)]
+enum Finish {
+    /// A pipeline of `SET key done EX 600`: no fence at all.
+    Plain,
+    /// One script call per batch whose only work per key is the least a fenced completion
+    /// does: `GET`, compare with the claim's token, `SET key done EX 600`. The least any
+    /// script-based fenced completion costs the server (the store's adds the record's format,
+    /// the state machine and per-key replies).
+    Script,
+    /// A pipeline of `SET key done IFEQ token EX 600` (Redis 8.4, Valkey 8.1): a fenced
+    /// completion as one native command.
+    IfEq,
+}
+
+/// The script of [`Finish::Script`].
+const FENCED_FINISH: &str = r"
+local n = 0
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then
+    redis.call('SET', KEYS[i], ARGV[2], 'EX', ARGV[3])
+    n = n + 1
+  end
+end
+return n
+";
+
+/// Whether the server takes `SET ... IFEQ` (an older server answers a syntax error).
+async fn has_set_ifeq(conn: &MultiplexedConnection, prefix: &str) -> bool {
+    let mut conn = conn.clone();
+    let probe = format!("{prefix}ifeq-probe");
+    let answer: redis::RedisResult<Option<String>> = redis::cmd("SET")
+        .arg(&probe)
+        .arg("1")
+        .arg("IFEQ")
+        .arg("0")
+        .query_async(&mut conn)
+        .await;
+    let _: redis::RedisResult<()> = redis::cmd("UNLINK")
+        .arg(&probe)
+        .query_async(&mut conn)
+        .await;
+    answer.is_ok()
+}
+
+/// A raw baseline on the standalone server, with no store: [`tasks`] tasks, each looping one
+/// pipeline of `BATCH` `SET key token NX PX 30000` (the token its task and batch) and then
+/// finishing the keys it got as `finish` says; and the server's CPU time per message (µs) it
+/// cost. Deletes its keys at the end (not counted).
+async fn pipelined(
+    conn: &MultiplexedConnection,
+    prefix: &str,
+    finish: Finish,
+) -> (Measured, Option<f64>) {
     let mut cpu_conn = conn.clone();
     let cpu_before = server_cpu(&mut cpu_conn).await;
     let done = Arc::new(AtomicU64::new(0));
@@ -175,37 +229,56 @@ async fn pipelined(conn: &MultiplexedConnection, prefix: &str) -> (Measured, Opt
     let start = Instant::now();
     let raw = Arc::new(format!("{prefix}raw:"));
     let key = move |task: usize, n: u64, i: usize| format!("{raw}t{task}-{n}-{i}");
+    let script = Arc::new(redis::Script::new(FENCED_FINISH));
     let tasks: Vec<_> = (0..tasks())
         .map(|task| {
             let (mut conn, done, key) = (conn.clone(), done.clone(), key.clone());
+            let script = script.clone();
             tokio::spawn(async move {
                 let mut n = 0u64;
                 while Instant::now() < until {
                     n += 1;
+                    let token = format!("{task}-{n}");
                     let mut claim = redis::pipe();
                     for i in 0..BATCH {
                         claim
                             .cmd("SET")
                             .arg(key(task, n, i))
-                            .arg("1")
+                            .arg(&token)
                             .arg("NX")
                             .arg("PX")
                             .arg(30_000);
                     }
                     let claimed: Vec<Option<String>> =
                         claim.query_async(&mut conn).await.expect("SET NX");
-                    let mut finish = redis::pipe();
-                    for (i, claimed) in claimed.iter().enumerate() {
-                        assert!(claimed.is_some(), "a fresh key must be claimed");
-                        finish
-                            .cmd("SET")
-                            .arg(key(task, n, i))
-                            .arg("done")
-                            .arg("EX")
-                            .arg(RETENTION.as_secs())
-                            .ignore();
-                    }
-                    let () = finish.query_async(&mut conn).await.expect("SET");
+                    assert!(
+                        claimed.iter().all(Option::is_some),
+                        "a fresh key must be claimed"
+                    );
+                    let finished = match finish {
+                        Finish::Plain | Finish::IfEq => {
+                            let mut pipe = redis::pipe();
+                            for i in 0..BATCH {
+                                let set = pipe.cmd("SET").arg(key(task, n, i)).arg("done");
+                                if let Finish::IfEq = finish {
+                                    set.arg("IFEQ").arg(&token);
+                                }
+                                set.arg("EX").arg(RETENTION.as_secs());
+                            }
+                            let replies: Vec<Option<String>> =
+                                pipe.query_async(&mut conn).await.expect("SET");
+                            replies.iter().flatten().count()
+                        }
+                        Finish::Script => {
+                            let mut call = script.prepare_invoke();
+                            for i in 0..BATCH {
+                                call.key(key(task, n, i));
+                            }
+                            call.arg(&token).arg("done").arg(RETENTION.as_secs());
+                            call.invoke_async(&mut conn).await.expect("script")
+                        }
+                    };
+                    assert_eq!(finished, BATCH, "every claimed key must be finished");
                     done.fetch_add(BATCH as u64, Ordering::Relaxed);
                 }
                 n
@@ -339,6 +412,7 @@ async fn measure(
 ) -> Vec<Namespace> {
     let conn = cpu.map(|(c, _)| c);
     let (mut namespaces, mut batched_ratios, mut raw_ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut fenced_ratios, mut ifeq_ratios) = (Vec::new(), Vec::new());
     for round in 1..=rounds() {
         let ns = Namespace::new(format!("bench-{:08x}", rand_u32())).expect("namespace");
         namespaces.push(ns.clone());
@@ -371,7 +445,7 @@ async fn measure(
             );
         }
         if let Some((conn, prefix)) = cpu {
-            let raw = pipelined(conn, prefix).await;
+            let raw = pipelined(conn, prefix, Finish::Plain).await;
             row(
                 name,
                 round,
@@ -380,6 +454,30 @@ async fn measure(
                 base,
             );
             raw_ratios.push(spread.0.rate() / raw.0.rate());
+            let fenced = pipelined(conn, prefix, Finish::Script).await;
+            row(
+                name,
+                round,
+                "raw fenced: SET NX, then a script GET/compare/SET",
+                &fenced,
+                base,
+            );
+            fenced_ratios.push(fenced.0.rate() / raw.0.rate());
+            if has_set_ifeq(conn, prefix).await {
+                let ifeq = pipelined(conn, prefix, Finish::IfEq).await;
+                row(
+                    name,
+                    round,
+                    "raw fenced: SET NX, then SET IFEQ",
+                    &ifeq,
+                    base,
+                );
+                ifeq_ratios.push(ifeq.0.rate() / raw.0.rate());
+            } else if round == 1 {
+                println!(
+                    "{name}: no `SET ... IFEQ` on this server (Redis 8.4, Valkey 8.1): that row is left out"
+                );
+            }
         }
     }
     let (m, all) = median(batched_ratios);
@@ -387,6 +485,16 @@ async fn measure(
     if !raw_ratios.is_empty() {
         let (m, all) = median(raw_ratios);
         println!("{name}: batches / raw pipelines, median of the rounds: {m:.2}x ({all})");
+        let (m, all) = median(fenced_ratios);
+        println!(
+            "{name}: raw fenced by a script / raw pipelines, median of the rounds: {m:.2}x ({all})"
+        );
+    }
+    if !ifeq_ratios.is_empty() {
+        let (m, all) = median(ifeq_ratios);
+        println!(
+            "{name}: raw fenced by SET IFEQ / raw pipelines, median of the rounds: {m:.2}x ({all})"
+        );
     }
     namespaces
 }
