@@ -233,6 +233,12 @@ impl RedisStore {
                         out[i] = Some(Ok(value));
                     }
                 }
+                // One compact reply for every item (see `lua/batch.lua`).
+                Ok(Value::Int(n)) => {
+                    for i in group {
+                        out[i] = Some(Ok(Value::Int(n)));
+                    }
+                }
                 Ok(other) => {
                     let reason = format!(
                         "a batch of {} keys answered {other:?}, not one reply per key",

@@ -38,6 +38,7 @@ const LOOP: &str = "-- The loop of every batch script";
 /// writes, and, when the fast path declined, `a`'s value as it left it and whether it noted a
 /// write (an empty array when it answered).
 const HARNESS: &str = r#"
+prefetch()
 local per, pairs = tonumber(ARGV[1]), tonumber(ARGV[2])
 local names = {}
 for i = 1, 2 * pairs do
@@ -93,8 +94,45 @@ end
 return out
 "#;
 
+/// The harness of the acquire batch's all-fresh shortcut (`all_fresh` in
+/// `lua/acquire_fast.lua`), after the batch script's head as [`harness`] takes it. KEYS: the
+/// shortcut's keys (`ARGV[1]` of them), then as many for the fast path alone (`ARGV[2]`: 0 or
+/// the same number); `ARGV[3..5]`: the owner, lease and attempts every item shares; then each
+/// shortcut item's fingerprint, which the fast-path item of the same index shares. In ONE call,
+/// so at one instant: the shortcut over its keys, then each other key through `fast` as a batch
+/// item, then the deferred writes. Replies the shortcut's reply (false when it declined), the
+/// fast path's replies, then every key's value as `TYPE` and, for a string, its bytes.
+const ALL_FRESH_HARNESS: &str = r#"
+local n, m = tonumber(ARGV[1]), tonumber(ARGV[2])
+local shortcut_keys = {}
+for i = 1, n do
+  shortcut_keys[i] = KEYS[i]
+end
+local args = {ARGV[3], ARGV[4], ARGV[5]}
+local reply = all_fresh(shortcut_keys, args, {4}, 6)
+prefetch()
+local fast_replies = {}
+for i = 1, m do
+  args[4] = ARGV[5 + i]
+  key = KEYS[n + i]
+  fast_replies[i] = fast(args) or false
+end
+flush()
+local values = {}
+for i = 1, n + m do
+  local t = redis.call('TYPE', KEYS[i]).ok
+  values[i] = {t, t == 'string' and redis.call('GET', KEYS[i]) or false}
+end
+return {reply or false, fast_replies, values}
+"#;
+
 /// The harness over the batch script named `name`.
 fn harness(name: &str) -> String {
+    format!("{}{HARNESS}", head(name))
+}
+
+/// The batch script named `name` up to its loop: the prelude, the body as `one`, the fast path.
+fn head(name: &str) -> String {
     let script = lua_batch_scripts()
         .into_iter()
         .find(|s| s.name == name)
@@ -108,7 +146,7 @@ fn harness(name: &str) -> String {
         head.contains("local function fast(args)"),
         "{name} has a fast path"
     );
-    format!("{head}{HARNESS}")
+    head.to_owned()
 }
 
 /// What a pair holds before the call.
@@ -801,4 +839,191 @@ async fn fast_paths_write_exactly_what_the_single_key_bodies_write() {
         .await
         .unwrap();
     assert!(dropped >= 40, "removed the test's {dropped} records");
+}
+
+/// What [`ALL_FRESH_HARNESS`] answered: the shortcut's reply, the fast path's replies, and each
+/// key's type and bytes.
+struct Fresh {
+    shortcut: Value,
+    fast: Vec<Value>,
+    values: Vec<(String, Option<Vec<u8>>)>,
+}
+
+/// Runs the shortcut harness over `keys` (the fast path over as many others when `compare`),
+/// with the shared `owner`, `lease` and attempts 5, and a fingerprint per key.
+async fn all_fresh(
+    admin: &mut common::Admin,
+    prefix: &str,
+    keys: &[String],
+    compare: bool,
+    owner: &[u8],
+    lease: &str,
+    fingerprints: &[Vec<u8>],
+) -> Fresh {
+    let harness = head("acquire_many") + ALL_FRESH_HARNESS;
+    let others: Vec<String> = if compare {
+        (0..keys.len())
+            .map(|i| format!("{prefix}fast:{i}"))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(&harness)
+        .arg(keys.len() + others.len())
+        .arg(keys)
+        .arg(&others)
+        .arg(keys.len())
+        .arg(others.len())
+        .arg(owner)
+        .arg(lease)
+        .arg(5);
+    for f in fingerprints {
+        cmd.arg(f.as_slice());
+    }
+    let reply: Vec<Value> = admin.query(&cmd).await;
+    let [shortcut, fast, values] = <[Value; 3]>::try_from(reply).unwrap();
+    let Value::Array(fast) = fast else {
+        panic!("{fast:?}")
+    };
+    let Value::Array(values) = values else {
+        panic!("{values:?}")
+    };
+    let values = values
+        .into_iter()
+        .map(|v| {
+            let Value::Array(v) = v else { panic!("{v:?}") };
+            let [t, bytes] = <[Value; 2]>::try_from(v).unwrap();
+            let t = redis::from_redis_value::<String>(t).unwrap();
+            let bytes = match bytes {
+                Value::BulkString(b) => Some(b),
+                _ => None,
+            };
+            (t, bytes)
+        })
+        .collect();
+    let mut del = redis::cmd("DEL");
+    del.arg(keys).arg(&others);
+    admin.query::<()>(&del).await;
+    Fresh {
+        shortcut,
+        fast,
+        values,
+    }
+}
+
+/// The acquire batch's shortcut for a call whose keys are all distinct and absent
+/// (`all_fresh`, one `MSETNX`) writes exactly what the fast path writes for each of them, with
+/// the same token as its one reply; and declines, writing nothing, when a key exists (of any
+/// type), a key comes twice, an argument is one the fast path declines, or there are more than
+/// 500 keys.
+#[tokio::test]
+async fn the_all_fresh_shortcut_writes_what_the_fast_path_writes() {
+    let Some(store) = common::standalone().await else {
+        return;
+    };
+    let mut admin = common::Admin::of(&store).await;
+    let prefix = common::random_prefix();
+    let keys = |n: usize, tag: &str| -> Vec<String> {
+        (0..n).map(|i| format!("{prefix}{tag}:{i}")).collect()
+    };
+    let fps = |n: usize| -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|i| {
+                if i % 3 == 0 {
+                    Vec::new()
+                } else {
+                    vec![i as u8; 32]
+                }
+            })
+            .collect()
+    };
+    // Taken: owners of 1, 127, 128 and more bytes (the owner's length is a varint), leases
+    // from 1 ms to a day and the largest the fast path takes, 1 to 500 keys.
+    let long_owner = "o".repeat(128);
+    let mut taken = 0;
+    for (owner, lease, n) in [
+        ("w", "30000", 1),
+        ("w", "1", 3),
+        (&"x".repeat(127)[..], "86400000", 7),
+        (&long_owner[..], "64", 20),
+        ("wörker ✓", "1099511627775", 5),
+        ("w", "30000", 500),
+    ] {
+        let tag = format!("take-{n}-{lease}");
+        let ks = keys(n, &tag);
+        let out = all_fresh(
+            &mut admin,
+            &prefix,
+            &ks,
+            true,
+            owner.as_bytes(),
+            lease,
+            &fps(n),
+        )
+        .await;
+        let Value::Int(token) = out.shortcut else {
+            panic!("{tag}: the shortcut declined: {:?}", out.shortcut)
+        };
+        assert!(token > 0);
+        for (i, f) in out.fast.iter().enumerate() {
+            assert_eq!(
+                *f,
+                Value::Int(token),
+                "{tag}: item {i}: the fast path's token"
+            );
+        }
+        for i in 0..n {
+            let (a, b) = (&out.values[i], &out.values[n + i]);
+            assert_eq!(a.0, "string", "{tag}: item {i} written");
+            assert_eq!(
+                a, b,
+                "{tag}: item {i}: the shortcut and the fast path wrote differently"
+            );
+        }
+        taken += 1;
+    }
+    assert_eq!(taken, 6);
+
+    // Declined, nothing written: the values before the call are there after it.
+    let ks = keys(4, "exists");
+    admin
+        .query::<()>(redis::cmd("SET").arg(&ks[2]).arg("a record"))
+        .await;
+    let out = all_fresh(&mut admin, &prefix, &ks, false, b"w", "30000", &fps(4)).await;
+    assert_eq!(out.shortcut, Value::Nil, "a key holds a string");
+    let types: Vec<&str> = out.values.iter().map(|(t, _)| t.as_str()).collect();
+    assert_eq!(types, ["none", "none", "string", "none"]);
+    assert_eq!(out.values[2].1.as_deref(), Some(&b"a record"[..]));
+
+    let ks = keys(3, "list");
+    admin
+        .query::<()>(redis::cmd("RPUSH").arg(&ks[0]).arg("x"))
+        .await;
+    let out = all_fresh(&mut admin, &prefix, &ks, false, b"w", "30000", &fps(3)).await;
+    assert_eq!(out.shortcut, Value::Nil, "a key holds a list");
+    let types: Vec<&str> = out.values.iter().map(|(t, _)| t.as_str()).collect();
+    assert_eq!(types, ["list", "none", "none"]);
+
+    let mut ks = keys(3, "twice");
+    ks.push(ks[1].clone());
+    let out = all_fresh(&mut admin, &prefix, &ks, false, b"w", "30000", &fps(4)).await;
+    assert_eq!(out.shortcut, Value::Nil, "a key twice");
+    assert!(
+        out.values.iter().all(|(t, _)| t == "none"),
+        "{:?}",
+        out.values
+    );
+
+    for lease in ["1.5", "-1", "x", "1099511627776"] {
+        let ks = keys(3, &format!("lease-{lease}"));
+        let out = all_fresh(&mut admin, &prefix, &ks, false, b"w", lease, &fps(3)).await;
+        assert_eq!(out.shortcut, Value::Nil, "lease {lease}");
+        assert!(out.values.iter().all(|(t, _)| t == "none"), "lease {lease}");
+    }
+
+    let ks = keys(501, "many");
+    let out = all_fresh(&mut admin, &prefix, &ks, false, b"w", "30000", &fps(501)).await;
+    assert_eq!(out.shortcut, Value::Nil, "501 keys");
+    assert!(out.values.iter().all(|(t, _)| t == "none"));
 }

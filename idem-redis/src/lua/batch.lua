@@ -15,7 +15,8 @@
 -- lua/complete_fast.lua; the other transitions have none), which writes exactly what the body
 -- would and answers its reply, or answers nil having written nothing (arguments the body would
 -- fail on it leaves to the body); then, on nil, to the body.
--- Replies one element per item: the single script's own reply; or, for an item a fast path
+-- Replies one element per item (or, from the all-fresh shortcut, one number standing for every
+-- item's compact reply): the single script's own reply; or, for an item a fast path
 -- took, the compact form of that reply (a number in place of the table: an acquire's token, of
 -- a first attempt with no takeover, its lease end floor(token / 1000) plus the lease the item
 -- sent; a completion's 1), which costs the server less to send; or {-1, message} when that
@@ -38,6 +39,15 @@ end
 local inline = #KEYS == 0
 local width = inline and #own + 1 or #own
 local count = inline and (#ARGV - at + 1) / width or #KEYS
+-- An acquire batch whose keys are all distinct and absent is written in one go (see `all_fresh`
+-- in lua/acquire_fast.lua), its reply the one compact reply every item would give.
+if all_fresh ~= nil and not inline then
+  local reply = all_fresh(KEYS, args, own, at)
+  if reply ~= nil then
+    return reply
+  end
+end
+prefetch()
 local out, keys = {}, {}
 for i = 1, count do
   if inline then

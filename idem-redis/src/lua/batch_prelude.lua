@@ -20,13 +20,18 @@ end
 -- key with GET.
 -- (One MGET per 1,000 keys: `unpack` has a bounded stack, and a store may allow larger batches.)
 local prefetched, written = {}, {}
-for first = 1, #KEYS, 1000 do
-  local last = math.min(first + 999, #KEYS)
-  local values = redis.call('MGET', unpack(KEYS, first, last))
-  for i = first, last do
-    prefetched[KEYS[i]] = values[i - first + 1]
+local function prefetch()
+  for first = 1, #KEYS, 1000 do
+    local last = math.min(first + 999, #KEYS)
+    local values = redis.call('MGET', unpack(KEYS, first, last))
+    for i = first, last do
+      prefetched[KEYS[i]] = values[i - first + 1]
+    end
   end
 end
+-- An acquire batch's shortcut for a call whose keys are all absent (lua/acquire_fast.lua), or
+-- nil.
+local all_fresh
 
 read_value = function()
   local v = written[key]
