@@ -132,7 +132,9 @@ pub const DEFAULT_BATCH_CONCURRENCY: usize = 64;
 pub struct BatchConfig {
     /// Handlers running at once, at least 1 (default [`DEFAULT_BATCH_CONCURRENCY`], 64). A
     /// handler's slot is free again as soon as it returns: the next message's handler starts
-    /// while the record of the one before is sent.
+    /// while the record of the one before is sent. What follows a handler is not counted
+    /// against the slots: a transactional completion, sent on its own, or a dead letter, may
+    /// be in flight for every message of the batch at once.
     pub concurrency: usize,
     /// Largest group of records in one store call, from 1 to the store's
     /// [`max_batch`](idem_core::Limits::max_batch) (default `None`: the store's `max_batch`).
