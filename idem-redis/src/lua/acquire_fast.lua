@@ -55,11 +55,11 @@ end
 -- item's record as `fast` makes it, all written by one MSETNX, which writes them all or none
 -- (none when any key exists, of whatever type). Replies the token alone, in place of one reply
 -- per item: every item was acquired as `fast` answers for it (lua/batch.lua). Otherwise (a key
--- twice, an argument `fresh` declines, a key that exists, more than 500 keys) it has written
--- nothing and answers nil, and the call goes item by item. `args` holds the shared arguments,
--- `own` the positions of the others, and ARGV[at] is the first item's first own argument.
--- The test `the_all_fresh_shortcut_writes_what_the_fast_path_writes` checks both give the
--- same bytes.
+-- twice, an argument `fresh` declines, a key that exists, more than 500 keys, the MSETNX
+-- refused) it has written nothing and answers nil, and the call goes item by item. `args`
+-- holds the shared arguments, `own` the positions of the others, and ARGV[at] is the first
+-- item's first own argument. The test `the_all_fresh_shortcut_writes_what_the_fast_path_writes`
+-- checks both give the same bytes.
 all_fresh = function(keys, args, own, at)
   if #keys > 500 then
     return nil
@@ -81,7 +81,9 @@ all_fresh = function(keys, args, own, at)
     end
     kv[2 * i - 1], kv[2 * i] = k, v
   end
-  if redis.call('MSETNX', unpack(kv)) == 1 then
+  -- Refused (a server out of memory, an ACL), it wrote nothing: item by item, each item then
+  -- gets the error its own write meets.
+  if redis.pcall('MSETNX', unpack(kv)) == 1 then
     return batch_us
   end
   return nil
