@@ -13,6 +13,10 @@
 //! - by hand: what a careful consumer writes without the executor: read the key header, build
 //!   the key, fingerprint the payload, acquire, encode the result as JSON, complete.
 //!
+//! Batches of 100 fresh messages: [`Executor::run_batch`] against the raw batch calls it makes
+//! (`acquire_many` of the 100 requests built beforehand, then `complete_many` of the 100
+//! leases), per message, in the same alternating rounds.
+//!
 //! It also measures the transactional path against the plain one, in the same alternating
 //! rounds: a `TransactionalExecutor` over the same `MemoryStore` whose handler returns a
 //! `Commit` with one write (`MemoryWrites::put`, built per message), recorded with
@@ -26,8 +30,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use criterion::{Criterion, Throughput};
 use idem_core::{
-    AcquireOutcome, AcquireRequest, Bytes, Fingerprint, IdempotencyKey, IdempotencyStore,
-    ManualClock, MemoryStore, MemoryWrites, Namespace,
+    AcquireOutcome, AcquireRequest, Bytes, Completion, Fingerprint, IdempotencyKey,
+    IdempotencyStore, ManualClock, MemoryStore, MemoryWrites, Namespace,
 };
 use idem_executor::{
     Commit, Executor, ExecutorConfig, HandlerError, Message, Outcome, RawMessage,
@@ -36,6 +40,8 @@ use idem_executor::{
 
 const KEYS: usize = 4096;
 const RETENTION: Duration = Duration::from_millis(1);
+/// Messages per batch in the batch cases.
+const BATCH: usize = 100;
 /// The target: the executor's overhead over the raw store calls, per message.
 const TARGET_NS: f64 = 1000.0;
 
@@ -125,6 +131,75 @@ impl Fixture {
             }
             elapsed
         })
+    }
+
+    /// Runs `iters` batches of [`BATCH`] fresh messages through `batch` (which takes the index
+    /// of the batch's first message), moving the clock past retention every pass.
+    fn measure_batches<F, Fut>(&self, iters: u64, batch: &F) -> Duration
+    where
+        F: Fn(usize) -> Fut,
+        Fut: Future<Output = ()>,
+    {
+        self.rt.block_on(async {
+            let mut elapsed = Duration::ZERO;
+            let mut done = 0u64;
+            while done < iters {
+                self.clock.advance(Duration::from_secs(1));
+                let n = (iters - done).min((KEYS / BATCH) as u64) as usize;
+                let start = Instant::now();
+                for b in 0..n {
+                    batch(b * BATCH).await;
+                }
+                elapsed += start.elapsed();
+                done += n as u64;
+            }
+            elapsed
+        })
+    }
+
+    /// Raw batch calls for [`BATCH`] new messages from `first`: `acquire_many` of the requests
+    /// (built beforehand, as in `raw_new`), then `complete_many` of the leases.
+    async fn raw_batch(&self, reqs: Vec<AcquireRequest>) {
+        let completions: Vec<Completion> = self
+            .store
+            .acquire_many(&reqs)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|outcome| match outcome.unwrap() {
+                AcquireOutcome::Acquired { lease, .. } => {
+                    Completion::new(lease, Bytes::from_static(b"1"))
+                }
+                other => panic!("not acquired: {other:?}"),
+            })
+            .collect();
+        for done in self
+            .store
+            .complete_many(&completions, RETENTION)
+            .await
+            .unwrap()
+        {
+            done.unwrap();
+        }
+    }
+
+    /// The requests of the batch from `first`.
+    fn batch_requests(&self, first: usize) -> Vec<AcquireRequest> {
+        (first..first + BATCH).map(|i| self.request(i)).collect()
+    }
+
+    /// The executor, for the batch of [`BATCH`] new messages from `first`.
+    async fn exec_batch(&self, first: usize) {
+        let results = self
+            .exec
+            .run_batch(&self.msgs[first..first + BATCH], |_, _| async {
+                Ok::<_, HandlerError>(black_box(1u64))
+            })
+            .await
+            .unwrap();
+        for r in results {
+            assert!(matches!(r, Ok(Outcome::Executed(1))));
+        }
     }
 
     /// The acquire request of message `i`, built beforehand by the raw baselines.
@@ -271,6 +346,15 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|iters| f.measure(iters, true, &|i| f.tx_new(i)))
     });
 
+    group.throughput(Throughput::Elements(BATCH as u64));
+    group.bench_function("raw_store/acquire_many_complete_many", |b| {
+        b.iter_custom(|iters| f.measure_batches(iters, &|i| f.raw_batch(f.batch_requests(i))))
+    });
+    group.bench_function("executor/run_batch", |b| {
+        b.iter_custom(|iters| f.measure_batches(iters, &|i| f.exec_batch(i)))
+    });
+    group.throughput(Throughput::Elements(1));
+
     // Duplicates: raw acquire answering Replayed, vs the executor decoding the replay.
     f.complete_all();
     group.bench_function("raw_store/acquire_replayed", |b| {
@@ -305,6 +389,27 @@ where
     (median(bases), median(execs))
 }
 
+/// [`alternate`] for batches: per-message times of alternating rounds of `base` and `exec`
+/// over every batch of [`BATCH`] messages in the keys, their medians.
+fn alternate_batches<B, BF, E, EF>(f: &Fixture, rounds: usize, base: B, exec: E) -> (f64, f64)
+where
+    B: Fn(usize) -> BF,
+    BF: Future<Output = ()>,
+    E: Fn(usize) -> EF,
+    EF: Future<Output = ()>,
+{
+    let batches = (KEYS / BATCH) as u64;
+    let per_message = |d: Duration| d.as_nanos() as f64 / (batches as usize * BATCH) as f64;
+    f.measure_batches(batches, &base);
+    f.measure_batches(batches, &exec);
+    let (mut bases, mut execs) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        bases.push(per_message(f.measure_batches(batches, &base)));
+        execs.push(per_message(f.measure_batches(batches, &exec)));
+    }
+    (median(bases), median(execs))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -332,6 +437,12 @@ fn summary() {
         true,
         |i| f.by_hand(i, false),
         |i| f.exec_new(i, false),
+    );
+    let batch = alternate_batches(
+        f,
+        rounds,
+        |i| f.raw_batch(f.batch_requests(i)),
+        |i| f.exec_batch(i),
     );
     let transactional = alternate(f, rounds, true, |i| f.exec_new(i, false), |i| f.tx_new(i));
     f.complete_all();
@@ -376,6 +487,11 @@ fn summary() {
     row(
         "new message: by hand (+ key, SHA-256, JSON)",
         by_hand,
+        false,
+    );
+    row(
+        "batch of 100 new: acquire_many + complete_many",
+        batch,
         false,
     );
 

@@ -1,8 +1,8 @@
 //! Executor batches: `run_batch` gives exactly the outcomes of single calls, in far fewer store
 //! calls, with every single-message guarantee (heartbeats, fencing, the batch size limit).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -459,6 +459,37 @@ async fn handlers_run_at_most_concurrency_at_once() {
         }
     }
     assert_eq!(most.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn handlers_start_in_message_order_whatever_their_lengths() {
+    let exec = Executor::new(
+        Arc::new(MemoryStore::new()),
+        config().with_batch(BatchConfig::default().with_concurrency(2)),
+    )
+    .unwrap();
+    let msgs: Vec<RawMessage> = (0..40).map(|i| msg(&format!("k{i}"), "p")).collect();
+    let started = Mutex::new(Vec::new());
+    let out = exec
+        .run_batch(&msgs, |i, _ctx| {
+            let started = &started;
+            async move {
+                started.lock().unwrap().push(i);
+                // Handlers of different lengths free their slots out of order.
+                for _ in 0..(i * 7) % 5 {
+                    tokio::task::yield_now().await;
+                }
+                Ok::<_, HandlerError>(i)
+            }
+        })
+        .await
+        .unwrap();
+    assert!(out.iter().all(|r| matches!(r, Ok(Outcome::Executed(_)))));
+    assert_eq!(
+        started.into_inner().unwrap(),
+        (0..40).collect::<Vec<_>>(),
+        "each handler starts after every earlier message's"
+    );
 }
 
 #[tokio::test]

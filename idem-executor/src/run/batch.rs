@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::future::{self, Either};
+use futures::future::{self, Either, FutureExt};
+use futures::stream::{FuturesUnordered, StreamExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc, oneshot};
@@ -237,11 +238,14 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         // the chains first ask for a slot in order, so they start in order.
         let slots = Semaphore::new(inner.config.batch.concurrency);
         let slots = &slots;
-        let runs: Vec<_> = chains
+        // Each chain's future goes straight to its own place in the set (no list of them all
+        // first: a batch's chains are large, and moving them twice cost more than running
+        // quick handlers). The set polls them in the order pushed, so they ask for slots in order.
+        let mut runs: FuturesUnordered<_> = chains
             .into_iter()
             .map(|chain| self.run_chain(chain, handler, each, slots))
             .collect();
-        let work = future::join_all(runs);
+        let work = async move { while runs.next().await.is_some() {} };
         let flush = async {
             flush_records(
                 &inner.store,
@@ -421,7 +425,8 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
                 .await
                 .expect("the batch never closes its slots");
             let call = move |ctx| in_slot(handler(index, ctx), slot);
-            let result = self.process(Ok(Some((key, fingerprint))), call, span).await;
+            // Boxed: most chains have no later message, and its future would be in each.
+            let result = Box::pin(self.process(Ok(Some((key, fingerprint))), call, span)).await;
             hand_over(index, result);
         }
     }
@@ -460,7 +465,10 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
                     Ok(outcome) => Box::pin(self.waited(&req, outcome, Instant::now())).await,
                     Err(e) => Err(e),
                 };
-                self.acquired(req, answered, handler, span).await
+                // Boxed, as the wait above: a first message the acquire did not lease (a
+                // duplicate, a busy key) is the rarer case, and the larger future would
+                // otherwise be in every chain.
+                Box::pin(self.acquired(req, answered, handler, span)).await
             }
             First::Unkeyed(Ok(())) => self.unkeyed(handler).await,
             First::Unkeyed(Err(e)) => Err(e),
@@ -468,11 +476,14 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
     }
 }
 
-/// Runs a handler's future, then frees its handler slot (before its record is sent).
-async fn in_slot<Fut: Future>(run: Fut, slot: SemaphorePermit<'_>) -> Fut::Output {
-    let returned = run.await;
-    drop(slot);
-    returned
+/// Runs a handler's future, then frees its handler slot (before its record is sent); dropped
+/// unfinished, it frees the slot too. A combinator rather than an `async fn`, which would keep
+/// the handler's future twice over (as its argument and as what it awaits) in every chain.
+fn in_slot<Fut: Future>(run: Fut, slot: SemaphorePermit<'_>) -> impl Future<Output = Fut::Output> {
+    run.map(move |returned| {
+        drop(slot);
+        returned
+    })
 }
 
 /// One error of a whole store call, given to each of `n` items: kept retryable when it was.
