@@ -23,6 +23,17 @@
 //!
 //! Each figure is records per second from the first record received to the last one processed
 //! (the group join excluded). Prints the four, and the ratio runner / hand-written.
+//! `IDEM_BENCH_ROUNDS` (default 1) reads the topic that many times with the last three, one
+//! after the other, and prints each round and the medians: the hand-written consumer's figure
+//! swings with the machine's other load, so one round's ratio says little.
+//! `IDEM_BENCH_PARTITIONS` (default `1,3`) lists the partition counts.
+//!
+//! Beside each rate it prints the CPU time each record cost, in µs: this process's (the
+//! consumer, its rdkafka threads, the Redis client) and the Redis server's (`INFO cpu`, the
+//! whole server: on a server other clients use, theirs too). On a noisy machine these say more
+//! than the rates: two builds whose rates overlap can differ clearly in what a record costs.
+//! Each consumer's keys are deleted from Redis after it ran, so that every one meets the
+//! server as the first did.
 //! `IDEM_BENCH_MAX_BATCH` sets the runner's [`max_batch`](RunnerOptions::max_batch) and both
 //! stores' [`Limits::max_batch`](idem_core::Limits::max_batch) (default: the runner's default,
 //! 100); `IDEM_BENCH_BATCHES_PER_PARTITION` sets
@@ -62,6 +73,75 @@ fn env_or(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// The Redis server's CPU time so far (`used_cpu_user` + `used_cpu_sys`), in seconds.
+async fn server_cpu(redis: &mut redis::aio::ConnectionManager) -> f64 {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(redis)
+        .await
+        .expect("INFO cpu");
+    info.lines()
+        .filter_map(|line| line.split_once(':'))
+        .filter(|(name, _)| matches!(*name, "used_cpu_user" | "used_cpu_sys"))
+        .map(|(_, value)| value.trim().parse::<f64>().expect("a CPU time"))
+        .sum()
+}
+
+/// Deletes the keys under `prefix` (one consumer's records).
+async fn delete_prefix(redis: &mut redis::aio::ConnectionManager, prefix: &str) {
+    let mut cursor = 0_u64;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(redis)
+            .await
+            .expect("SCAN");
+        if !keys.is_empty() {
+            let () = redis::cmd("UNLINK")
+                .arg(&keys)
+                .query_async(redis)
+                .await
+                .expect("UNLINK");
+        }
+        if next == 0 {
+            return;
+        }
+        cursor = next;
+    }
+}
+
+/// One consumer's figures: records per second, and the µs of CPU time each record cost this
+/// process and the Redis server.
+#[derive(Clone, Copy)]
+struct Figures {
+    rate: f64,
+    cpu: f64,
+    server: f64,
+}
+
+/// Runs `consumer` (which answers its rate) and measures what its records cost.
+async fn measured(
+    redis: &mut redis::aio::ConnectionManager,
+    records: usize,
+    consumer: impl std::future::Future<Output = f64>,
+) -> Figures {
+    let server_before = server_cpu(redis).await;
+    let cpu = cpu_time::ProcessTime::now();
+    let rate = consumer.await;
+    let cpu = cpu.elapsed().as_secs_f64();
+    let server = server_cpu(redis).await - server_before;
+    let per_record = |seconds: f64| seconds * 1e6 / records as f64;
+    Figures {
+        rate,
+        cpu: per_record(cpu),
+        server: per_record(server),
+    }
+}
+
 fn consumer(group: &str, topic: &str) -> BaseConsumer {
     let consumer: BaseConsumer = consumer_config(group)
         .set("enable.auto.commit", "false")
@@ -89,11 +169,11 @@ fn raw(topic: &str, records: usize) -> f64 {
     (records - 1) as f64 / first.elapsed().as_secs_f64()
 }
 
-/// Records per second of the hand-written pipelined `SET NX` + `SET` consumer.
-async fn hand_written(topic: &str, records: usize) -> f64 {
+/// Records per second of the hand-written pipelined `SET NX` + `SET` consumer, its keys under
+/// `prefix`.
+async fn hand_written(topic: &str, records: usize, prefix: &str) -> f64 {
     let consumer = consumer(&unique("hand"), topic);
     let mut redis = redis_conn().await;
-    let prefix = unique("hand");
     let started = Instant::now();
     let mut first = None;
     let mut seen = 0;
@@ -112,7 +192,7 @@ async fn hand_written(topic: &str, records: usize) -> f64 {
             let m = m.expect("record");
             first.get_or_insert_with(Instant::now);
             let key = format!(
-                "{prefix}:{}",
+                "{prefix}{}",
                 String::from_utf8_lossy(m.key().expect("keyed record"))
             );
             batch.push((m.partition(), m.offset(), key));
@@ -169,8 +249,9 @@ async fn hand_written(topic: &str, records: usize) -> f64 {
     (records - 1) as f64 / first.elapsed().as_secs_f64()
 }
 
-/// Records per second of the runner with Redis (`memory`: with a `MemoryStore`).
-async fn runner(topic: &str, records: usize, partitions: usize, memory: bool) -> f64 {
+/// Records per second of the runner with Redis, its keys under `prefix` (`memory`: with a
+/// `MemoryStore`).
+async fn runner(topic: &str, records: usize, partitions: usize, memory: bool, prefix: &str) -> f64 {
     let max_batch = env_or("IDEM_BENCH_MAX_BATCH", RunnerOptions::default().max_batch);
     let per_partition = env_or(
         "IDEM_BENCH_BATCHES_PER_PARTITION",
@@ -183,7 +264,6 @@ async fn runner(topic: &str, records: usize, partitions: usize, memory: bool) ->
             limits,
         ))
     } else {
-        let prefix = format!("{}:", unique("idem-kafka-compare"));
         shared(
             redis_store_with(
                 RedisConfig::default()
@@ -233,6 +313,43 @@ async fn runner(topic: &str, records: usize, partitions: usize, memory: bool) ->
     rate
 }
 
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted.len() / 2;
+    if sorted.len().is_multiple_of(2) {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    } else {
+        sorted[mid]
+    }
+}
+
+/// One partition count's figures: the raw consumer's, then per round the hand-written
+/// consumer's, the runner's and the runner's over a `MemoryStore`.
+struct Row {
+    partitions: i32,
+    raw: Figures,
+    hand: Vec<Figures>,
+    ours: Vec<Figures>,
+    memory: Vec<Figures>,
+}
+
+/// The median of each figure of `figures`.
+fn medians(figures: &[Figures]) -> Figures {
+    let of = |f: fn(&Figures) -> f64| median(&figures.iter().map(f).collect::<Vec<_>>());
+    Figures {
+        rate: of(|f| f.rate),
+        cpu: of(|f| f.cpu),
+        server: of(|f| f.server),
+    }
+}
+
+/// A table cell: the rate, then the µs each record cost this process and the server.
+fn cell(f: Figures) -> String {
+    format!("{:.0} ({:.1} / {:.1})", f.rate, f.cpu, f.server)
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     if !kafka_and_redis() {
@@ -240,8 +357,19 @@ async fn main() {
     }
     init_tracing();
     let records = env_or("IDEM_BENCH_RECORDS", 100_000);
+    let rounds = env_or("IDEM_BENCH_ROUNDS", 1).max(1);
+    let partition_counts: Vec<i32> = std::env::var("IDEM_BENCH_PARTITIONS")
+        .unwrap_or_else(|_| "1,3".to_owned())
+        .split(',')
+        .map(|p| {
+            p.trim()
+                .parse()
+                .expect("IDEM_BENCH_PARTITIONS: partition counts")
+        })
+        .collect();
+    let mut redis = redis_conn().await;
     let mut rows = Vec::new();
-    for partitions in [1, 3] {
+    for partitions in partition_counts {
         let topic = unique("compare");
         create_topic(&topic, partitions).await;
         let recs: Vec<Rec> = (0..records)
@@ -260,27 +388,82 @@ async fn main() {
             t.elapsed()
         );
         let raw_topic = topic.clone();
-        let raw = tokio::task::spawn_blocking(move || raw(&raw_topic, records))
-            .await
-            .expect("raw consumer");
-        eprintln!("  raw: {raw:.0} records/s");
-        let hand = hand_written(&topic, records).await;
-        eprintln!("  hand-written: {hand:.0} records/s");
-        let ours = runner(&topic, records, partitions as usize, false).await;
-        eprintln!("  runner: {ours:.0} records/s");
-        let memory = runner(&topic, records, partitions as usize, true).await;
-        eprintln!("  runner, memory: {memory:.0} records/s");
-        rows.push((partitions, raw, hand, ours, memory));
+        let raw = measured(&mut redis, records, async move {
+            tokio::task::spawn_blocking(move || raw(&raw_topic, records))
+                .await
+                .expect("raw consumer")
+        })
+        .await;
+        eprintln!("  raw: {}", cell(raw));
+        let mut row = Row {
+            partitions,
+            raw,
+            hand: Vec::new(),
+            ours: Vec::new(),
+            memory: Vec::new(),
+        };
+        for round in 1..=rounds {
+            let prefix = format!("{}:", unique("hand"));
+            let hand = measured(&mut redis, records, hand_written(&topic, records, &prefix)).await;
+            delete_prefix(&mut redis, &prefix).await;
+            eprintln!("  round {round}: hand-written: {}", cell(hand));
+            let prefix = format!("{}:", unique("idem-kafka-compare"));
+            let ours = measured(
+                &mut redis,
+                records,
+                runner(&topic, records, partitions as usize, false, &prefix),
+            )
+            .await;
+            delete_prefix(&mut redis, &prefix).await;
+            eprintln!("  round {round}: runner: {}", cell(ours));
+            let memory = measured(
+                &mut redis,
+                records,
+                runner(&topic, records, partitions as usize, true, ""),
+            )
+            .await;
+            eprintln!("  round {round}: runner, memory: {}", cell(memory));
+            row.hand.push(hand);
+            row.ours.push(ours);
+            row.memory.push(memory);
+        }
+        rows.push(row);
     }
-    println!("kafka_compare: {records} records, every key fresh, no-op handler, Redis store:");
     println!(
-        "| partitions | raw rdkafka, no store | hand-written SET NX + SET | runner | runner / hand-written | runner, MemoryStore |"
+        "kafka_compare: {records} records, every key fresh, no-op handler, Redis store, {rounds} round(s)."
     );
-    println!("|---|---|---|---|---|---|");
-    for (partitions, raw, hand, ours, memory) in rows {
-        println!(
-            "| {partitions} | {raw:.0} | {hand:.0} | {ours:.0} | {:.2}x | {memory:.0} |",
-            ours / hand
-        );
+    println!("Each cell: records/s (µs of CPU per record: this process / the Redis server).");
+    println!(
+        "| partitions | round | raw rdkafka, no store | hand-written SET NX + SET | runner | runner / hand-written | runner, MemoryStore |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for row in rows {
+        let raw = cell(row.raw);
+        let partitions = row.partitions;
+        let mut lines: Vec<(String, Figures, Figures, Figures)> = row
+            .hand
+            .iter()
+            .zip(&row.ours)
+            .zip(&row.memory)
+            .enumerate()
+            .map(|(i, ((&hand, &ours), &memory))| ((i + 1).to_string(), hand, ours, memory))
+            .collect();
+        if rounds > 1 {
+            lines.push((
+                "median".to_owned(),
+                medians(&row.hand),
+                medians(&row.ours),
+                medians(&row.memory),
+            ));
+        }
+        for (round, hand, ours, memory) in lines {
+            println!(
+                "| {partitions} | {round} | {raw} | {} | {} | {:.2}x | {} |",
+                cell(hand),
+                cell(ours),
+                ours.rate / hand.rate,
+                cell(memory)
+            );
+        }
     }
 }
