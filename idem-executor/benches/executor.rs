@@ -114,23 +114,7 @@ impl Fixture {
         F: Fn(usize) -> Fut,
         Fut: Future<Output = ()>,
     {
-        self.rt.block_on(async {
-            let mut elapsed = Duration::ZERO;
-            let mut done = 0u64;
-            while done < iters {
-                if fresh {
-                    self.clock.advance(Duration::from_secs(1));
-                }
-                let n = (iters - done).min(KEYS as u64) as usize;
-                let start = Instant::now();
-                for i in 0..n {
-                    one(i).await;
-                }
-                elapsed += start.elapsed();
-                done += n as u64;
-            }
-            elapsed
-        })
+        self.passes(iters, fresh, KEYS, one)
     }
 
     /// Runs `iters` batches of [`BATCH`] fresh messages through `batch` (which takes the index
@@ -140,15 +124,27 @@ impl Fixture {
         F: Fn(usize) -> Fut,
         Fut: Future<Output = ()>,
     {
+        self.passes(iters, true, KEYS / BATCH, &|b| batch(b * BATCH))
+    }
+
+    /// Runs `iters` calls of `unit`, in passes of `per_pass` (each call given its index in the
+    /// pass), moving the clock past retention before every pass when `fresh`.
+    fn passes<F, Fut>(&self, iters: u64, fresh: bool, per_pass: usize, unit: &F) -> Duration
+    where
+        F: Fn(usize) -> Fut,
+        Fut: Future<Output = ()>,
+    {
         self.rt.block_on(async {
             let mut elapsed = Duration::ZERO;
             let mut done = 0u64;
             while done < iters {
-                self.clock.advance(Duration::from_secs(1));
-                let n = (iters - done).min((KEYS / BATCH) as u64) as usize;
+                if fresh {
+                    self.clock.advance(Duration::from_secs(1));
+                }
+                let n = (iters - done).min(per_pass as u64) as usize;
                 let start = Instant::now();
-                for b in 0..n {
-                    batch(b * BATCH).await;
+                for i in 0..n {
+                    unit(i).await;
                 }
                 elapsed += start.elapsed();
                 done += n as u64;
