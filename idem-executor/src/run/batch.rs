@@ -235,13 +235,12 @@ impl<C: Codec, R: Recorder> Executor<C, R> {
         let each = &each;
         // A handler slot is held from a chain's turn until its handler returns, not while its
         // record is sent: the next chain's handler starts meanwhile. The semaphore is fair, and
-        // the chains first ask for a slot in order, so they start in order.
+        // the set below first polls the chains in the order pushed, so they ask for a slot, and
+        // start, in order. Each chain's future goes straight to its own place in the set, with
+        // no list of them all first: a chain's future takes kilobytes, and moving each one
+        // twice showed in profiles of quick handlers.
         let slots = Semaphore::new(inner.config.batch.concurrency);
         let slots = &slots;
-        // Each chain's future goes straight to its own place in the set, with no list of them
-        // all first: a chain's future takes kilobytes, and moving each one twice showed in
-        // profiles of quick handlers. The set first polls them in the order pushed, so they ask
-        // for slots in order.
         let mut runs: FuturesUnordered<_> = chains
             .into_iter()
             .map(|chain| self.run_chain(chain, handler, each, slots))
